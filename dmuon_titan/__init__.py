@@ -1,0 +1,33 @@
+"""dmuon_titan: Muon with dedicated matrix ownership on FSDP2, and a torchtitan plugin.
+
+Importing this package makes FSDP2's ``fully_shard`` skip dedicated parameters.
+"""
+
+from .runtime.fsdp import install_fully_shard_patch
+
+install_fully_shard_patch()
+
+from .api import dedicate_params, no_sync, summarize_plan, wait_all_replicate_broadcasts  # noqa: E402
+from .clip import clip_grad_norm_  # noqa: E402
+from .muon import Muon  # noqa: E402
+from .ns import NS_COEFFICIENT_SETS  # noqa: E402
+from .state_dict import (  # noqa: E402
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+__all__ = [
+    "NS_COEFFICIENT_SETS",
+    "Muon",
+    "clip_grad_norm_",
+    "dedicate_params",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "no_sync",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "summarize_plan",
+    "wait_all_replicate_broadcasts",
+]

@@ -1,0 +1,261 @@
+"""Public entry points: ``dedicate_params``, ``no_sync``, ``wait_all_replicate_broadcasts``,
+``summarize_plan``.
+
+``dedicate_params`` is validate → plan → build runtime → install hooks, in that order: every
+input error is raised before the first collective, and the only collective at setup is the
+check that all ranks computed the same plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from .plan import ParamSpec, plan_partition, select_boundaries
+from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL
+from .runtime.collectives import Collectives
+from .runtime.group import BoundaryGroup
+from .runtime.hooks import register_boundary_hooks
+from .runtime.owned_param import DedicatedParam
+from .runtime.state import STATE_ATTR, DMuonState, get_state
+
+ParamPredicate = Callable[[str, nn.Parameter], bool]
+ModulePredicate = Callable[[nn.Module], bool]
+
+# Wrappers that insert a path segment without changing what the parameter is.
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def clean_fqn(fqn: str) -> str:
+    """Drop activation-checkpoint / torch.compile / FSDP1 wrapper segments from a name."""
+    return ".".join(s for s in fqn.split(".") if s not in _WRAPPER_SEGMENTS)
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    predicate: ParamPredicate,
+    hook_boundary_predicate: ModulePredicate | None = None,
+    hook_boundary_strict: bool = True,
+    reshard_after_forward: bool = True,
+    replicate_mesh: DeviceMesh | None = None,
+    *,
+    small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
+) -> dict[str, Any]:
+    """Give each selected matrix one owner rank and install the hooks that serve it.
+
+    Call it before ``fully_shard`` (which then skips the dedicated parameters) and, with a meta
+    model, before ``to_empty``: afterwards only the owner holds storage for each dedicated
+    weight.
+
+    Args:
+        model: the root module (the one you will call forward on).
+        mesh: 1-D data-parallel device mesh (the one you pass to ``fully_shard``).
+        predicate: ``(fqn, param) -> bool`` selecting the Muon matrices; each must be 2-D,
+            trainable and not shared between modules.
+        hook_boundary_predicate: ``(module) -> bool``; a parameter's hooks go to its lowest
+            ancestor (itself included) for which it is true. Default: the first
+            ``layers.N``/``blocks.N`` ancestor, else the parameter's module.
+        hook_boundary_strict: raise if the predicate leaves parameters uncovered.
+        reshard_after_forward: ``True`` (Z3) frees non-owned weights after forward and
+            re-broadcasts them before backward; ``False`` (Z2) keeps them until backward.
+        replicate_mesh: reserved for HSDP (not supported yet).
+        small_param_numel: matrices with at most this many elements are packed per boundary
+            onto one owner.
+
+    Returns:
+        :func:`summarize_plan` of the result.
+    """
+    if hasattr(model, STATE_ATTR):
+        raise ValueError("dedicate_params was already applied to this model")
+    if replicate_mesh is not None:
+        raise NotImplementedError("replicate_mesh (HSDP) is not supported yet")
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        shape = getattr(mesh, "shape", None)
+        raise ValueError(
+            f"mesh must be a 1-D DeviceMesh (the data-parallel mesh), got {type(mesh).__name__} "
+            f"with shape {shape}"
+        )
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    _reject_already_sharded(model)
+
+    selected = _select_params(model, predicate)
+    modules = dict(model.named_modules())
+    boundaries = select_boundaries(
+        [fqn for fqn, *_ in selected], modules, hook_boundary_predicate, hook_boundary_strict
+    )
+    specs = [ParamSpec(clean_fqn(fqn), tuple(p.shape), boundaries[fqn]) for fqn, p, *_ in selected]
+    world_size = mesh.size()
+    plan = plan_partition(specs, world_size, small_param_numel=small_param_numel)
+
+    group = mesh.get_group()
+    rank = mesh.get_local_rank()
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device(mesh.device_type)
+    )
+    _check_same_plan_everywhere(plan.fingerprint(), group, device)
+
+    boundary_paths = list(dict.fromkeys(boundaries[fqn] for fqn, *_ in selected))
+    boundary_index = {path: i for i, path in enumerate(boundary_paths)}
+    params = [
+        DedicatedParam(i, spec.fqn, module, attr, p, owner, rank, boundary_index[spec.boundary])
+        for i, ((_, p, module, attr), spec, owner) in enumerate(
+            zip(selected, specs, plan.owners, strict=True)
+        )
+    ]
+    groups = [
+        BoundaryGroup(i, path, modules[path], [p for p in params if p.boundary_index == i])
+        for i, path in enumerate(boundary_paths)
+    ]
+    comm = Collectives(group, device)
+    state = DMuonState(model, mesh, plan, params, groups, comm, reshard_after_forward)
+    for g in groups:
+        register_boundary_hooks(state, g)
+    setattr(model, STATE_ATTR, state)
+    return summarize_plan(model)
+
+
+def _reject_already_sharded(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        raise ValueError(
+            "fully_shard was applied before dedicate_params (FSDP modules: "
+            f"{sharded[:5]}{'...' if len(sharded) > 5 else ''}); call dedicate_params first"
+        )
+    dtensors = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    if dtensors:
+        raise ValueError(
+            f"parameters are already DTensors (sharded) before dedicate_params: {dtensors[:5]}"
+        )
+
+
+def _select_params(model: nn.Module, predicate: ParamPredicate):
+    """(fqn, param, module, attr) for each selected parameter, in registration order."""
+    places: dict[nn.Parameter, list[tuple[str, nn.Module, str]]] = {}
+    for mod_path, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None:
+                fqn = f"{mod_path}.{attr}" if mod_path else attr
+                places.setdefault(p, []).append((fqn, module, attr))
+    selected = []
+    for p, where in places.items():
+        fqn, module, attr = where[0]
+        if not predicate(fqn, p):
+            continue
+        if len(where) > 1:
+            raise ValueError(
+                f"dedicated parameter {fqn!r} is shared between modules "
+                f"({[w[0] for w in where]}); tied weights cannot be dedicated, exclude them "
+                "in the predicate"
+            )
+        if p.ndim != 2:
+            raise ValueError(
+                f"dedicated parameter {fqn!r} has shape {tuple(p.shape)}; Muon needs 2-D "
+                "matrices, exclude it in the predicate"
+            )
+        if not p.requires_grad:
+            raise ValueError(
+                f"dedicated parameter {fqn!r} does not require grad; exclude frozen "
+                "parameters in the predicate"
+            )
+        selected.append((fqn, p, module, attr))
+    if not selected:
+        raise ValueError("predicate selected no parameters to dedicate")
+    return selected
+
+
+def _check_same_plan_everywhere(fingerprint: int, group, device: torch.device) -> None:
+    """One tiny all-gather: a rank whose plan differs fails on every rank instead of hanging."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    values = [int(t.item()) for t in gathered]
+    if len(set(values)) != 1:
+        raise RuntimeError(
+            "DMuon plans differ across ranks (fingerprints per group rank: "
+            f"{values}); the model's parameter names, shapes or boundaries differ between ranks"
+        )
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally (dedicated params and FSDP2 alike); the next backward
+    outside the context reduces everything accumulated."""
+    from torch.distributed.fsdp import FSDPModule
+
+    state = getattr(model, STATE_ATTR, None)
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if state is not None:
+        state.requires_gradient_sync = False
+    for m in fsdp_modules:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        if state is not None:
+            state.requires_gradient_sync = True
+        for m in fsdp_modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+
+
+def wait_all_replicate_broadcasts(model: nn.Module) -> None:
+    """Drain asynchronous replica broadcasts (HSDP). Without a replicate mesh there are none."""
+    get_state(model)
+
+
+def summarize_plan(model: nn.Module) -> dict[str, Any]:
+    """JSON-friendly description of who owns what and what it costs, per step."""
+    state = get_state(model)
+    state.adopt_registered()
+    plan = state.plan
+    n = state.world_size
+    loads = plan.load_per_rank()
+    param_bytes = sum(p.numel * p.param_dtype.itemsize for p in state.params)
+    reduce_bytes = sum(p.numel * p.reduce_dtype.itemsize for p in state.params)
+    share = (n - 1) / n
+    per_step = {
+        "forward_broadcast": param_bytes * share,
+        "backward_rebroadcast": param_bytes * share if state.reshard_after_forward else 0.0,
+        "reduce": reduce_bytes * share,
+    }
+    per_step["total"] = sum(per_step.values())
+    return {
+        "world_size": n,
+        "rank": state.rank,
+        "reshard_after_forward": state.reshard_after_forward,
+        "num_params": len(state.params),
+        "params": [
+            {
+                "fqn": p.fqn,
+                "shape": list(p.shape),
+                "owner": p.owner,
+                "boundary": state.groups[p.boundary_index].path,
+                "ns_flops": cost,
+            }
+            for p, cost in zip(state.params, plan.costs, strict=True)
+        ],
+        "boundaries": [
+            {
+                "path": g.path or "<root>",
+                "params": len(g.params),
+                "owners": [b.owner for b in g.buckets],
+            }
+            for g in state.groups
+        ],
+        "ns_flops_per_rank": loads,
+        "imbalance": plan.imbalance(),
+        "bytes_per_rank_per_step": per_step,
+    }

@@ -1,0 +1,92 @@
+"""Gradient clipping by the true global norm over FSDP2 gradients and owned gradients."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .runtime.owned_param import is_dedicated
+from .runtime.state import STATE_ATTR
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    model: nn.Module,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip all gradients of ``model`` by their global ``norm_type`` norm; return that norm.
+
+    The norm covers FSDP2 (DTensor) gradients, owned dedicated gradients (each counted once,
+    on its owner) and any plain replicated gradients. Two collectives, always in this order:
+    the DTensor norm's reduction, then an all-reduce of the owned part over the DMuon group.
+    """
+    state = getattr(model, STATE_ATTR, None)
+    if state is not None:
+        state.adopt_registered()
+        state.finalize_reduces()
+    norm_type = float(norm_type)
+    sharded, plain, owned = [], [], []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if is_dedicated(p):
+            if p.numel() > 0:  # the owner's master; placeholders have no elements
+                owned.append(p.grad)
+        elif isinstance(p.grad, DTensor):
+            sharded.append(p.grad)
+        else:
+            plain.append(p.grad)
+
+    device = (
+        state.device
+        if state is not None
+        else (
+            (sharded or plain or owned)[0].device
+            if (sharded or plain or owned)
+            else torch.device("cpu")
+        )
+    )
+
+    def local_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), device=device, dtype=torch.float32)
+        return torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach).float().to(device)
+
+    parts = []
+    if sharded:
+        total = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach)
+        parts.append(total.full_tensor().float().to(device))
+    parts.append(local_norm(plain))
+    if state is not None:
+        owned_norm = local_norm(owned)
+        if state.world_size > 1:
+            if math.isinf(norm_type):
+                dist.all_reduce(owned_norm, op=dist.ReduceOp.MAX, group=state.comm.group)
+            else:
+                owned_norm = owned_norm.pow(norm_type)
+                dist.all_reduce(owned_norm, group=state.comm.group)
+                owned_norm = owned_norm.pow(1.0 / norm_type)
+        parts.append(owned_norm)
+    stacked = torch.stack(parts)
+    total_norm = (
+        stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
+    )
+
+    if error_if_nonfinite and not torch.isfinite(total_norm):
+        raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")
+    clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    locals_ = [g.to_local() for g in sharded] + plain + owned
+    for g in locals_:
+        g.mul_(
+            clip_coef.to(g.device, g.dtype)
+            if g.dtype != clip_coef.dtype
+            else clip_coef.to(g.device)
+        )
+    return total_norm

@@ -1,0 +1,232 @@
+"""The optimizer: owner-only Muon for dedicated matrices, AdamW for everything else.
+
+Two parameter groups, identical in structure on every rank (so LR schedulers and state dicts
+line up): ``param_groups[0]`` holds every dedicated parameter (the master weight on its owner,
+an empty placeholder elsewhere) and is stepped only where owned; ``param_groups[1]`` holds all
+other trainable parameters (FSDP2 DTensors, usually) and runs ``torch.optim.AdamW``'s math.
+``step()`` issues no collective, so calling it on any subset of ranks cannot hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.adamw import adamw
+
+from . import ns
+from .runtime.owned_param import is_dedicated
+from .runtime.state import STATE_ATTR, DMuonState
+
+MUON_GROUP = 0
+ADAMW_GROUP = 1
+
+
+class Muon(torch.optim.Optimizer):
+    """DMuon: ``torch.optim.Muon`` semantics on dedicated matrices, AdamW on the rest.
+
+    Args:
+        model: the model passed to :func:`dmuon_titan.dedicate_params` (a model without
+            dedicated parameters gets AdamW on everything).
+        lr: Muon learning rate (scaled per matrix by ``adjust_lr_fn``).
+        momentum, nesterov, eps, weight_decay, adjust_lr_fn: as ``torch.optim.Muon``.
+        ns_coefficients: one (a, b, c) triple, a per-iteration list of triples (iteration i
+            uses entry ``min(i, len-1)``), or a name from ``ns.NS_COEFFICIENT_SETS``.
+        ns_steps: Newton–Schulz iterations.
+        ns_dtype: dtype the NS iterations run in (``torch.optim.Muon`` uses bfloat16).
+        adamw_lr: AdamW learning rate; defaults to ``lr`` only with
+            ``adjust_lr_fn="match_rms_adamw"`` (where the two are meant to be equal).
+        adamw_betas, adamw_eps, adamw_weight_decay: AdamW hyper-parameters.
+        adamw_foreach, adamw_fused: AdamW implementation switches (as ``torch.optim.AdamW``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: ns.Coefficients | Sequence[ns.Coefficients] | str = ns.JORDAN_COEFFICIENTS,
+        ns_steps: int = 5,
+        eps: float = 1e-7,
+        weight_decay: float = 0.1,
+        adjust_lr_fn: str | None = None,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.1,
+        *,
+        adamw_foreach: bool | None = None,
+        adamw_fused: bool | None = None,
+    ) -> None:
+        if adamw_lr is None:
+            if adjust_lr_fn != "match_rms_adamw":
+                raise ValueError(
+                    "adamw_lr is required unless adjust_lr_fn='match_rms_adamw' (which makes "
+                    "Muon's lr an AdamW-scale lr)"
+                )
+            adamw_lr = lr
+        _validate_hyperparameters(
+            lr=lr,
+            momentum=momentum,
+            ns_steps=ns_steps,
+            eps=eps,
+            weight_decay=weight_decay,
+            adjust_lr_fn=adjust_lr_fn,
+            ns_dtype=ns_dtype,
+            adamw_lr=adamw_lr,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay,
+        )
+        ns.normalize_coefficients(ns_coefficients)  # validates; raises naming the value
+
+        self._dmuon: DMuonState | None = getattr(model, STATE_ATTR, None)
+        if self._dmuon is not None:
+            self._dmuon.adopt_registered()
+        dedicated = [p.owned for p in self._dmuon.params] if self._dmuon else []
+        self._owned_ids = (
+            {id(p.owned) for p in self._dmuon.params if p.is_owner} if self._dmuon else set()
+        )
+        others = [p for p in model.parameters() if p.requires_grad and not is_dedicated(p)]
+        muon_group = {
+            "params": dedicated,
+            "use_muon": True,
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "ns_steps": ns_steps,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "adjust_lr_fn": adjust_lr_fn,
+            "ns_dtype": ns_dtype,
+        }
+        adamw_group = {
+            "params": others,
+            "use_muon": False,
+            "lr": adamw_lr,
+            "betas": tuple(adamw_betas),
+            "eps": adamw_eps,
+            "weight_decay": adamw_weight_decay,
+            "amsgrad": False,
+            "maximize": False,
+            "foreach": adamw_foreach,
+            "fused": adamw_fused,
+            "capturable": False,
+            "differentiable": False,
+            "decoupled_weight_decay": True,
+        }
+        super().__init__([muon_group, adamw_group], {})
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._dmuon is not None:
+            self._dmuon.finalize_reduces()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict[str, Any]) -> None:
+        coefficients = ns.normalize_coefficients(group["ns_coefficients"])
+        for p in group["params"]:
+            if p.grad is None or id(p) not in self._owned_ids:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(
+                    p.grad, memory_format=torch.preserve_format
+                )
+            direction = ns.momentum_direction(
+                p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]
+            )
+            ortho = ns.zeropower_via_newtonschulz(
+                direction, coefficients, group["ns_steps"], group["eps"], group["ns_dtype"]
+            )
+            ns.apply_update(
+                p,
+                ortho,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                adjust_lr_fn=group["adjust_lr_fn"],
+            )
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        fused = bool(group["fused"])
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = (
+                    torch.zeros((), dtype=torch.float32, device=p.device)
+                    if fused
+                    else torch.tensor(0.0, dtype=torch.float32)
+                )
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adamw(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=group["foreach"],
+            fused=group["fused"],
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        if self._dmuon is not None:
+            self._dmuon.zero_unsharded_grads()
+
+
+def _validate_hyperparameters(**kw: Any) -> None:
+    def bad(name: str, why: str) -> ValueError:
+        return ValueError(f"Muon: {name}={kw[name]!r} {why}")
+
+    for name in ("lr", "adamw_lr", "weight_decay", "adamw_weight_decay"):
+        if not isinstance(kw[name], (int, float)) or kw[name] < 0:
+            raise bad(name, "must be a number >= 0")
+    if not 0.0 <= kw["momentum"] < 1.0:
+        raise bad("momentum", "must be in [0, 1)")
+    if not isinstance(kw["ns_steps"], int) or not 1 <= kw["ns_steps"] < 100:
+        raise bad("ns_steps", "must be an int in [1, 100)")
+    for name in ("eps", "adamw_eps"):
+        if not isinstance(kw[name], (int, float)) or kw[name] <= 0:
+            raise bad(name, "must be a number > 0")
+    if kw["adjust_lr_fn"] not in ns.ADJUST_LR_FNS:
+        raise bad("adjust_lr_fn", f"must be one of {list(ns.ADJUST_LR_FNS)}")
+    if not isinstance(kw["ns_dtype"], torch.dtype) or not kw["ns_dtype"].is_floating_point:
+        raise bad("ns_dtype", "must be a floating-point torch.dtype")
+    betas = kw["adamw_betas"]
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise bad("adamw_betas", "must be two numbers in [0, 1)")

@@ -1,0 +1,157 @@
+"""Newton–Schulz orthogonalization and the Muon update rule.
+
+Pure math: no process group, no hooks. Every function here follows the semantics that
+``torch.optim.Muon`` documents (and implements in ``torch/optim/_muon.py``), with two
+extensions: the NS compute dtype is a parameter (``torch.optim.Muon`` always uses bfloat16),
+and the (a, b, c) coefficients may change per iteration (e.g. Polar Express).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+Coefficients = tuple[float, float, float]
+
+JORDAN_COEFFICIENTS: Coefficients = (3.4445, -4.7750, 2.0315)
+
+
+def _polar_express() -> tuple[Coefficients, ...]:
+    # Degree-5 schedule from Amsel et al., "The Polar Express" (arXiv 2505.16932),
+    # with the paper's 1.01 safety factor on every polynomial but the last, which is the
+    # fixed point the schedule converges to (later iterations reuse it).
+    raw = (
+        (8.28721201814563, -23.595886519098837, 17.300387312530933),
+        (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+        (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+        (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+        (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+        (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+        (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    )
+    safety = 1.01
+    scaled = tuple((a / safety, b / safety**3, c / safety**5) for a, b, c in raw)
+    return scaled + ((1.875, -1.25, 0.375),)
+
+
+#: Named coefficient schedules. A schedule shorter than ``ns_steps`` repeats its last entry.
+NS_COEFFICIENT_SETS: dict[str, tuple[Coefficients, ...]] = {
+    "jordan": (JORDAN_COEFFICIENTS,),
+    "polar_express": _polar_express(),
+}
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def normalize_coefficients(
+    coefficients: Coefficients | Sequence[Coefficients] | str,
+) -> tuple[Coefficients, ...]:
+    """Return a per-iteration schedule from a single (a, b, c), a list of them, or a name.
+
+    Raises ``ValueError`` (naming the bad value) for anything else.
+    """
+    if isinstance(coefficients, str):
+        if coefficients not in NS_COEFFICIENT_SETS:
+            raise ValueError(
+                f"unknown ns_coefficients name {coefficients!r}; "
+                f"known: {sorted(NS_COEFFICIENT_SETS)}"
+            )
+        return NS_COEFFICIENT_SETS[coefficients]
+    seq = list(coefficients)
+    if len(seq) == 3 and all(isinstance(v, (int, float)) for v in seq):
+        return ((float(seq[0]), float(seq[1]), float(seq[2])),)
+    if not seq:
+        raise ValueError("ns_coefficients must not be empty")
+    schedule = []
+    for i, triple in enumerate(seq):
+        try:
+            a, b, c = triple
+            schedule.append((float(a), float(b), float(c)))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"ns_coefficients[{i}] must be an (a, b, c) triple of floats, got {triple!r}"
+            ) from None
+    return tuple(schedule)
+
+
+def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
+    """FLOPs of ``ns_steps`` quintic NS iterations on a matrix of ``shape`` (2 FLOPs per FMA).
+
+    Per iteration on the wide orientation X (m×n, m ≤ n): A = X Xᵀ (2m²n), B = bA + cA² (2m³),
+    X ← aX + BX (2m²n).
+    """
+    rows, cols = int(shape[0]), int(shape[1])
+    m, n = min(rows, cols), max(rows, cols)
+    return ns_steps * (4 * m * m * n + 2 * m * m * m)
+
+
+def zeropower_via_newtonschulz(
+    matrix: Tensor,
+    coefficients: Sequence[Coefficients],
+    ns_steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """Approximate the orthogonal polar factor of ``matrix`` (2-D, or a batch of same-shape 3-D).
+
+    Same algorithm and operation order as ``torch.optim.Muon``: cast to ``dtype``, transpose
+    when tall, divide by the Frobenius norm clamped at ``eps``, then ``ns_steps`` iterations of
+    X ← aX + (bA + cA²)X with A = XXᵀ. Iteration ``i`` uses ``coefficients[min(i, len - 1)]``.
+    Returns a tensor of ``dtype`` and of ``matrix``'s shape; ``matrix`` is never modified.
+    """
+    if matrix.ndim not in (2, 3):
+        raise ValueError(
+            f"Newton-Schulz needs a 2-D matrix or a 3-D batch, got {tuple(matrix.shape)}"
+        )
+    tall = matrix.size(-2) > matrix.size(-1)
+    x = matrix.to(dtype, copy=True)
+    if tall:
+        x = x.mT
+    if matrix.ndim == 2:
+        x.div_(x.norm().clamp(min=eps))
+        for i in range(ns_steps):
+            a, b, c = coefficients[min(i, len(coefficients) - 1)]
+            gram = x @ x.T
+            gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, gram_update, x, beta=a)
+    else:
+        x = x / torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps)
+        for i in range(ns_steps):
+            a, b, c = coefficients[min(i, len(coefficients) - 1)]
+            gram = torch.bmm(x, x.mT)
+            gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, gram_update, x, beta=a)
+    return x.mT if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+    """Muon's shape-dependent learning rate (``torch.optim.Muon``'s ``adjust_lr_fn``).
+
+    ``None``/``"original"``: lr·sqrt(max(1, rows/cols)) (Keller Jordan);
+    ``"match_rms_adamw"``: lr·0.2·sqrt(max(rows, cols)) (Moonshot), so AdamW's lr carries over.
+    """
+    rows, cols = int(shape[0]), int(shape[1])
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; known: {list(ADJUST_LR_FNS)}")
+
+
+def momentum_direction(
+    grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool
+) -> Tensor:
+    """Update the momentum buffer in place and return the direction to orthogonalize."""
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+
+
+def apply_update(
+    param: Tensor, ortho: Tensor, *, lr: float, weight_decay: float, adjust_lr_fn: str | None
+) -> None:
+    """Decoupled weight decay, then the orthogonalized step with the shape-adjusted lr."""
+    param.mul_(1 - lr * weight_decay)
+    param.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, param.shape))

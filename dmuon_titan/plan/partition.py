@@ -1,0 +1,157 @@
+"""Global LPT partition of dedicated matrices over the data-parallel ranks.
+
+Each matrix gets exactly one owner, the rank that runs its momentum + Newton–Schulz + update.
+Cost is the NS FLOPs of the shape, so the slowest rank's optimizer step is what we minimize.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..ns import ns_flops
+
+#: Matrices with at most this many elements are "small": all small matrices of one boundary
+#: go to a single owner so the boundary issues one collective for them instead of many.
+DEFAULT_SMALL_PARAM_NUMEL = 1 << 16
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the planner knows about one dedicated parameter."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    boundary: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The result of partitioning: owners[i] is the rank that owns specs[i]."""
+
+    world_size: int
+    specs: tuple[ParamSpec, ...]
+    owners: tuple[int, ...]
+    costs: tuple[int, ...]
+
+    def load_per_rank(self) -> list[int]:
+        loads = [0] * self.world_size
+        for owner, cost in zip(self.owners, self.costs, strict=True):
+            loads[owner] += cost
+        return loads
+
+    def imbalance(self) -> float:
+        """max/mean NS load over ranks (1.0 is perfect balance)."""
+        loads = self.load_per_rank()
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean > 0 else 1.0
+
+    def fingerprint(self) -> int:
+        """A 63-bit digest of everything that decides a collective; equal plans, equal digests."""
+        h = hashlib.sha256(str(self.world_size).encode())
+        for spec, owner in zip(self.specs, self.owners, strict=True):
+            h.update(f"|{spec.fqn}:{spec.shape}:{spec.boundary}:{owner}".encode())
+        return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class _Unit:
+    cost: int
+    order: int  # first position among the specs, for deterministic ties
+    members: list[int]
+    boundary: str
+
+
+def plan_partition(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    *,
+    small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
+) -> Plan:
+    """Assign an owner to every spec: longest-processing-time-first over NS cost.
+
+    - Units: every matrix above ``small_param_numel`` is its own unit; the small matrices of one
+      boundary form one unit (one owner, one collective).
+    - Units are placed by decreasing cost (ties: first appearance) on the least-loaded rank,
+      preferring ranks that hold nothing of the same boundary yet, so a boundary's broadcasts
+      come from several owners and its NS work runs in parallel. The preference is taken only
+      when it does not raise the current makespan beyond what plain LPT would reach.
+    - Deterministic: a pure function of (fqn, shape, boundary) order and ``world_size``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    costs = [ns_flops(s.shape) for s in specs]
+    units: list[_Unit] = []
+    small_unit_of: dict[str, _Unit] = {}
+    for i, spec in enumerate(specs):
+        if spec.numel <= small_param_numel:
+            unit = small_unit_of.get(spec.boundary)
+            if unit is None:
+                unit = _Unit(0, i, [], spec.boundary)
+                small_unit_of[spec.boundary] = unit
+                units.append(unit)
+            unit.cost += costs[i]
+            unit.members.append(i)
+        else:
+            units.append(_Unit(costs[i], i, [i], spec.boundary))
+    units.sort(key=lambda u: (-u.cost, u.order))
+
+    loads = [0] * world_size
+    unit_owner: list[int] = []
+    held: dict[tuple[str, int], int] = {}  # (boundary, rank) -> number of units held
+    for unit in units:
+        best_any = min(range(world_size), key=lambda r: (loads[r], r))
+        chosen = best_any
+        free = [r for r in range(world_size) if held.get((unit.boundary, r), 0) == 0]
+        if free:
+            best_free = min(free, key=lambda r: (loads[r], r))
+            lpt_makespan = max(max(loads), loads[best_any] + unit.cost)
+            if loads[best_free] + unit.cost <= lpt_makespan:
+                chosen = best_free
+        loads[chosen] += unit.cost
+        held[(unit.boundary, chosen)] = held.get((unit.boundary, chosen), 0) + 1
+        unit_owner.append(chosen)
+    _spread_by_equal_cost_swaps(units, unit_owner, held)
+
+    owners = [0] * len(specs)
+    for unit, owner in zip(units, unit_owner, strict=True):
+        for i in unit.members:
+            owners[i] = owner
+    return Plan(world_size, tuple(specs), tuple(owners), tuple(costs))
+
+
+def _spread_by_equal_cost_swaps(
+    units: list[_Unit], unit_owner: list[int], held: dict[tuple[str, int], int]
+) -> None:
+    """Where a rank holds two units of one boundary, swap one with an equal-cost unit elsewhere.
+
+    Equal cost means the per-rank loads (and so the balance) do not change; each swap removes
+    one collision without creating another. Runs in place, deterministically.
+    """
+    by_cost: dict[int, list[int]] = {}
+    for k, unit in enumerate(units):
+        by_cost.setdefault(unit.cost, []).append(k)
+    for k, unit in enumerate(units):
+        r = unit_owner[k]
+        if held[(unit.boundary, r)] < 2:
+            continue
+        for j in by_cost[unit.cost]:
+            other, s = units[j], unit_owner[j]
+            if s == r or other.boundary == unit.boundary:
+                continue
+            if held.get((unit.boundary, s), 0) or held.get((other.boundary, r), 0):
+                continue
+            held[(unit.boundary, r)] -= 1
+            held[(other.boundary, s)] -= 1
+            held[(unit.boundary, s)] = 1
+            held[(other.boundary, r)] = 1
+            unit_owner[k], unit_owner[j] = s, r
+            break

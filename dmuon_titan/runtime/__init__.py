@@ -1,0 +1,1 @@
+"""DMuon runtime: owned parameters, boundary groups, collectives, hooks and state."""

@@ -1,0 +1,51 @@
+"""Keep FSDP2's ``fully_shard`` off dedicated parameters, whatever the import order.
+
+``fully_shard`` collects the parameters it manages through two helpers that it looks up in
+``torch.distributed.fsdp._fully_shard._fsdp_init`` at call time. Wrapping those helpers (not
+``fully_shard`` itself, which callers may have imported by name before us) makes every call
+treat parameters marked with ``_dedicated_owner_rank`` as ``ignored_params``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+from .owned_param import dedicated_params_of, is_dedicated
+
+_PATCHED_FLAG = "_dmuon_patched"
+
+
+def _with_dedicated_ignored(modules, ignored_params, recurse: bool):
+    dedicated = set()
+    for root in modules:
+        for m in root.modules() if recurse else (root,):
+            dedicated.update(dedicated_params_of(m))
+            dedicated.update(p for p in m.parameters(recurse=False) if is_dedicated(p))
+    if not dedicated:
+        return ignored_params
+    return set(ignored_params or ()) | dedicated
+
+
+def _wrap(fn, recurse: bool):
+    @functools.wraps(fn)
+    def wrapper(modules, ignored_params=None, *args, **kwargs):
+        roots = modules if isinstance(modules, (list, tuple)) else (modules,)
+        roots = [m for m in roots if isinstance(m, nn.Module)]
+        ignored = _with_dedicated_ignored(roots, ignored_params, recurse)
+        return fn(modules, ignored, *args, **kwargs)
+
+    setattr(wrapper, _PATCHED_FLAG, True)
+    return wrapper
+
+
+def install_fully_shard_patch() -> None:
+    """Idempotent: wrap ``_get_managed_modules`` and ``_get_managed_states`` once."""
+    # Root modules: search their whole subtree. Managed-module lists already hold every
+    # submodule, so each contributes only its own parameters.
+    for name, recurse in (("_get_managed_modules", True), ("_get_managed_states", False)):
+        fn = getattr(_fsdp_init, name)
+        if not getattr(fn, _PATCHED_FLAG, False):
+            setattr(_fsdp_init, name, _wrap(fn, recurse))

@@ -1,0 +1,118 @@
+"""One dedicated parameter: whole on its owner, empty elsewhere, full-size only while in use.
+
+Outside a boundary's active window the module holds ``owned``: the full master weight on the
+owner rank, an empty placeholder on every other rank (so ``to_empty`` allocates and
+``init_weights`` writes only on the owner). Inside the window the module holds ``unsharded``:
+a full-size parameter in the compute dtype whose storage is a view into its owner bucket's
+broadcast buffer; autograd accumulates this rank's gradient into ``unsharded.grad``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+#: Attribute that marks dedicated parameters (owned, placeholder and unsharded alike). FSDP2's
+#: ``fully_shard`` skips every parameter that carries it (see ``runtime/fsdp.py``).
+OWNER_ATTR = "_dedicated_owner_rank"
+
+
+# module -> names of its dedicated parameter slots. The slot is what is dedicated: the object
+# in it changes when ``to_empty`` materializes a meta model.
+_DEDICATED_SLOTS: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def is_dedicated(param: torch.Tensor) -> bool:
+    return hasattr(param, OWNER_ATTR)
+
+
+def dedicated_params_of(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters currently in ``module``'s own dedicated slots (not its children's)."""
+    slots = _DEDICATED_SLOTS.get(module, ())
+    return [module._parameters[a] for a in slots if module._parameters.get(a) is not None]
+
+
+class DedicatedParam:
+    """Runtime state of one dedicated matrix on this rank."""
+
+    def __init__(
+        self,
+        index: int,
+        fqn: str,
+        module: nn.Module,
+        attr: str,
+        param: nn.Parameter,
+        owner: int,
+        rank: int,
+        boundary_index: int,
+    ) -> None:
+        self.index = index
+        self.fqn = fqn
+        self.module = module
+        self.attr = attr
+        self.shape = torch.Size(param.shape)
+        self.numel = param.numel()
+        self.orig_dtype = param.dtype
+        self.owner = owner
+        self.is_owner = owner == rank
+        self.boundary_index = boundary_index
+        # Compute and reduce dtypes; FSDP2's MixedPrecisionPolicy of the nearest fully_shard
+        # ancestor decides them at lazy init.
+        self.param_dtype = param.dtype
+        self.reduce_dtype = param.dtype
+        if self.is_owner:
+            self.owned = param
+        else:
+            # Zero elements but the same trailing dims, so ``fan_in``-style initializers and
+            # ``ndim`` checks keep working; ``to_empty`` allocates nothing for it.
+            self.owned = nn.Parameter(
+                torch.empty((0, *self.shape[1:]), dtype=param.dtype, device=param.device),
+                requires_grad=param.requires_grad,
+            )
+            module._parameters[attr] = self.owned
+        setattr(self.owned, OWNER_ATTR, owner)
+        _DEDICATED_SLOTS.setdefault(module, set()).add(attr)
+        self.unsharded: nn.Parameter | None = None
+
+    def adopt_registered(self) -> None:
+        """Follow the module's parameter if ``nn.Module._apply`` replaced it.
+
+        ``to_empty``/``.to()`` from the meta device create new ``Parameter`` objects (a meta
+        tensor cannot be re-pointed at real storage); the slot, not the object, is what is
+        dedicated. Anything but a same-shaped replacement is an error.
+        """
+        current = self.module._parameters.get(self.attr)
+        if current is self.owned or (current is not None and current is self.unsharded):
+            return
+        expected = self.shape if self.is_owner else self.owned.shape
+        if current is None or tuple(current.shape) != tuple(expected):
+            raise RuntimeError(
+                f"dedicated parameter {self.fqn!r} was replaced on its module after "
+                f"dedicate_params() by {None if current is None else tuple(current.shape)} "
+                f"(expected {tuple(expected)}); modify it in place (e.g. with .copy_()) instead"
+            )
+        setattr(current, OWNER_ATTR, self.owner)
+        self.owned = current
+        self.orig_dtype = current.dtype
+
+    def check_materialized(self) -> None:
+        if self.is_owner and self.owned.is_meta:
+            raise RuntimeError(
+                f"dedicated parameter {self.fqn!r} is still on the meta device; call "
+                "model.to_empty(device=...) and initialize the weights before the first forward"
+            )
+
+    def make_unsharded(self, flat_view: torch.Tensor) -> None:
+        """Create the full-size compute parameter over ``flat_view`` (its bucket's buffer)."""
+        self.unsharded = nn.Parameter(
+            flat_view.view(self.shape), requires_grad=self.owned.requires_grad
+        )
+        setattr(self.unsharded, OWNER_ATTR, self.owner)
+
+    def install(self) -> None:
+        self.module._parameters[self.attr] = self.unsharded
+
+    def uninstall(self) -> None:
+        self.module._parameters[self.attr] = self.owned

@@ -1,0 +1,235 @@
+"""Per-model DMuon runtime state: the groups, the collectives and one step's bookkeeping.
+
+Every decision that issues a collective is taken here from rank-consistent facts only (the
+plan, the recorded forward order, which boundaries ran), never from local data or timing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..plan import Plan
+from .collectives import Collectives
+from .group import BoundaryGroup, OwnerBucket, UnshardState
+from .owned_param import DedicatedParam
+
+STATE_ATTR = "_dmuon_state"
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward (e.g. activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def get_state(model: nn.Module) -> DMuonState:
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise ValueError("model has no dedicated parameters: call dmuon.dedicate_params first")
+    return state
+
+
+class DMuonState:
+    """Everything DMuon knows about one model on this rank."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        mesh: DeviceMesh,
+        plan: Plan,
+        params: list[DedicatedParam],
+        groups: list[BoundaryGroup],
+        comm: Collectives,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.root = root
+        self.mesh = mesh
+        self.plan = plan
+        self.params = params
+        self.groups = groups
+        self.comm = comm
+        self.reshard_after_forward = reshard_after_forward
+        self.requires_gradient_sync = True
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self.device = comm.device
+        self.forward_order: list[int] | None = None  # recorded on the first step
+        self._step_sequence: list[int] = []
+        self._end_of_backward_queued = False
+        self._pending_reduces: list[tuple[OwnerBucket, torch.Tensor | None, object]] = []
+        self._initialized = False
+
+    # ------------------------------------------------------------------ setup
+    def lazy_init(self) -> None:
+        """First use: check registration, resolve mixed precision, build buffers and hooks."""
+        if self._initialized:
+            return
+        parents = {}
+        for module in self.root.modules():
+            for child in module.children():
+                parents[child] = module
+        self.adopt_registered()
+        for p in self.params:
+            p.check_materialized()
+            policy = _nearest_mp_policy(p.module, parents)
+            # FSDP2 semantics: compute in param_dtype, reduce in reduce_dtype (default: the
+            # compute dtype); the owner's master and optimizer state stay in orig_dtype.
+            p.param_dtype = (policy.param_dtype if policy else None) or p.orig_dtype
+            p.reduce_dtype = (policy.reduce_dtype if policy else None) or p.param_dtype
+        for group in self.groups:
+            group.lazy_init(self.device)
+            for p in group.params:
+                if p.unsharded.requires_grad:
+                    p.unsharded.register_post_accumulate_grad_hook(_make_grad_hook(self, group, p))
+        self._initialized = True
+
+    def adopt_registered(self) -> None:
+        """Track parameters that ``to_empty``/``.to()`` replaced on their modules."""
+        for p in self.params:
+            p.adopt_registered()
+
+    # ------------------------------------------------------------------ forward
+    def pre_forward(self, group: BoundaryGroup) -> None:
+        self.lazy_init()
+        if in_backward() or not torch.is_grad_enabled():
+            # Activation-checkpoint recompute, or an inference forward: just make it current.
+            self._ensure_ready(group, "recompute" if in_backward() else "forward")
+            group.install()
+            return
+        self._ensure_ready(group, "forward")
+        self._step_sequence.append(group.index)
+        group.forward_count += 1
+        self._prefetch_forward_after(group)
+        group.install()
+
+    def post_forward(self, group: BoundaryGroup, output):
+        group.uninstall()
+        if in_backward():
+            return output  # recompute inside backward: the backward is about to use them
+        if not torch.is_grad_enabled():
+            group.reshard()
+            return output
+        output = _register_pre_backward(self, group, output)
+        if self.reshard_after_forward:
+            group.reshard()
+        return output
+
+    def _ensure_ready(self, group: BoundaryGroup, phase: str) -> None:
+        group.unshard(self.comm, phase)
+        group.wait_unshard()
+
+    def _prefetch_forward_after(self, group: BoundaryGroup) -> None:
+        if self.forward_order is None:
+            return
+        try:
+            pos = self.forward_order.index(group.index)
+        except ValueError:
+            return
+        if pos + 1 < len(self.forward_order):
+            self.groups[self.forward_order[pos + 1]].unshard(self.comm, "forward")
+
+    # ------------------------------------------------------------------ backward
+    def pre_backward(self, group: BoundaryGroup) -> None:
+        if not self._end_of_backward_queued:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_of_backward_queued = True
+        if group.backward_done:
+            return
+        self._ensure_ready(group, "backward_unshard")
+        self._prefetch_backward_before(group)
+
+    def _prefetch_backward_before(self, group: BoundaryGroup) -> None:
+        seq = self._step_sequence
+        for pos in range(len(seq) - 1, -1, -1):
+            if seq[pos] == group.index:
+                if pos > 0:
+                    prev = self.groups[seq[pos - 1]]
+                    if not prev.backward_done:
+                        prev.unshard(self.comm, "backward_unshard")
+                return
+
+    def grad_accumulated(self, group: BoundaryGroup, param: DedicatedParam) -> None:
+        group.grads_ready.add(param.index)
+        if len(group.grads_ready) == group.num_trainable and not group.backward_done:
+            self._post_backward(group)
+
+    def _post_backward(self, group: BoundaryGroup) -> None:
+        group.backward_done = True
+        if self.requires_gradient_sync:
+            self._pending_reduces.extend(group.reduce_grads(self.comm))
+        group.reshard()
+
+    def _end_of_backward(self) -> None:
+        # Boundaries that ran forward but whose gradients did not all arrive (unused params,
+        # outputs outside the loss) are reduced here, in plan order: every rank agrees.
+        for group in self.groups:
+            if group.forward_count > 0 and not group.backward_done:
+                self._post_backward(group)
+            elif group.unshard_state is not UnshardState.FREED:
+                group.reshard()  # an unused prefetch
+        self.finalize_reduces()
+        if self.forward_order is None and self._step_sequence:
+            self.forward_order = list(dict.fromkeys(self._step_sequence))
+        self._step_sequence = []
+        for group in self.groups:
+            group.reset_step()
+        self._end_of_backward_queued = False
+
+    def finalize_reduces(self) -> None:
+        """Wait for issued reduces; owners turn them into ``owned.grad``."""
+        pending, self._pending_reduces = self._pending_reduces, []
+        for bucket, flat, handle in pending:
+            handle.wait()
+            if flat is not None:
+                bucket.unpack_reduced(flat, self.world_size)
+
+    def zero_unsharded_grads(self) -> None:
+        """Drop gradients accumulated locally (under ``no_sync``) but not reduced yet."""
+        for p in self.params:
+            if p.unsharded is not None:
+                p.unsharded.grad = None
+
+    # ------------------------------------------------------------------ queries
+    def owned_params(self) -> list[DedicatedParam]:
+        return [p for p in self.params if p.is_owner]
+
+    @property
+    def group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.comm.group)
+
+
+def _nearest_mp_policy(module: nn.Module, parents: dict[nn.Module, nn.Module]):
+    """FSDP2's MixedPrecisionPolicy of the lowest ``fully_shard`` module at or above ``module``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    current: nn.Module | None = module
+    while current is not None:
+        if isinstance(current, FSDPModule):
+            return current._get_fsdp_state()._mp_policy
+        current = parents.get(current)
+    return None
+
+
+def _make_grad_hook(state: DMuonState, group: BoundaryGroup, param: DedicatedParam):
+    def hook(_tensor: torch.Tensor) -> None:
+        state.grad_accumulated(group, param)
+
+    return hook
+
+
+def _register_pre_backward(state: DMuonState, group: BoundaryGroup, output):
+    tensors = [
+        t
+        for t in torch.utils._pytree.tree_leaves(output)
+        if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+
+    def hook(grad: torch.Tensor) -> None:
+        state.pre_backward(group)
+
+    for t in tensors:
+        t.register_hook(hook)
+    return output

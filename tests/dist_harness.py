@@ -1,0 +1,83 @@
+"""Run a function on N local processes (gloo on CPU, or NCCL on GPUs) and collect results.
+
+Each rank's return value is saved with ``torch.save``; an exception on any rank fails the
+caller with that rank's traceback; a rank still running after ``timeout`` means a hang and
+fails too (all ranks are killed).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.FileStore(os.path.join(tmp, "store"), world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        torch.save(result, os.path.join(tmp, f"result_{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(tmp, f"error_{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise SystemExit(1) from None
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+) -> list[Any]:
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, one process each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=_entry, args=(r, world_size, backend, tmp, fn, args))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        errors = []
+        for r in range(world_size):
+            path = os.path.join(tmp, f"error_{r}.txt")
+            if os.path.exists(path):
+                with open(path) as f:
+                    errors.append(f"--- rank {r} ---\n{f.read()}")
+        if errors:
+            raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+        if hung:
+            raise AssertionError(f"ranks {hung} still running after {timeout}s (hang)")
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise AssertionError(
+                f"ranks {bad} exited with codes {[procs[r].exitcode for r in bad]}"
+            )
+        return [
+            torch.load(os.path.join(tmp, f"result_{r}.pt"), weights_only=False)
+            for r in range(world_size)
+        ]

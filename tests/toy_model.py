@@ -1,0 +1,120 @@
+"""A small transformer with the shapes that matter: square, tall and wide matrices in blocks,
+an embedding, norms and an output head (the same layout as torchtitan's llama3)."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        rep = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim)
+        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.feed_forward = FeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class ToyTransformer(nn.Module):
+    def __init__(
+        self,
+        vocab: int = 64,
+        dim: int = 32,
+        hidden: int = 48,
+        n_layers: int = 3,
+        n_heads: int = 4,
+        n_kv_heads: int = 2,
+    ) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            [Block(dim, hidden, n_heads, n_kv_heads) for _ in range(n_layers)]
+        )
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic init that works on any device (used after ``to_empty``)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.numel() == 0:  # a dedicated placeholder: the owner initializes it
+                    continue
+                # One generator per name: values do not depend on which rank owns what.
+                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                full = init_value(name, p.shape, g)
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.copy_(_local_piece(p, full).to(local.dtype))
+
+
+def init_value(name: str, shape, generator: torch.Generator) -> torch.Tensor:
+    if len(shape) == 1:
+        return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+    return torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+
+
+def _local_piece(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The slice of ``full`` that this rank stores for ``param`` (FSDP2 DTensor or plain)."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(
+            full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
+    return full
+
+
+def dedicated_predicate(name: str, param: torch.Tensor) -> bool:
+    """The Muon matrices: 2-D weights inside the blocks (embedding and head stay on AdamW)."""
+    return param.ndim == 2 and name.startswith("layers.")
+
+
+def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, at least in float32 (float64 models keep float64)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))

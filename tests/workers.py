@@ -1,0 +1,188 @@
+"""Training runs shared by the tests: DMuon on N ranks, and the single-process reference.
+
+The reference is what DMuon promises to equal: ``torch.optim.Muon`` on the dedicated matrices
+and ``torch.optim.AdamW`` on everything else, one process, the whole global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import dmuon_titan as dmuon
+
+from .toy_model import ToyTransformer, dedicated_predicate, loss_fn
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = 5
+    batch: int = 24  # global; divisible by 1..4 ranks and, per rank, by 2 micro-batches
+    seq: int = 16
+    vocab: int = 64
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    micro_batches: int = 1  # >1: gradient accumulation under dmuon.no_sync
+    ns_dtype: torch.dtype = torch.float32
+    param_dtype: torch.dtype = torch.float32  # the model's (master) dtype
+    small_param_numel: int = 0  # 0: every matrix its own unit (exercise multi-owner boundaries)
+    lr: float = 0.02
+    adamw_lr: float = 3e-3
+    weight_decay: float = 0.1
+    adjust_lr_fn: str | None = None
+    ns_coefficients: tuple = (3.4445, -4.7750, 2.0315)
+    mixed_precision: bool = False
+    meta_init: bool = True
+    device: str = "cpu"
+
+
+def batch(cfg: RunConfig, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g)
+
+
+# ---------------------------------------------------------------------- reference
+def _float64_ns(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's Newton–Schulz with its bfloat16 cast replaced by float64."""
+    a, b, c = ns_coefficients
+    x = grad.to(torch.float64)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+def train_reference(cfg: RunConfig, ns_precision: str = "float64") -> dict[str, torch.Tensor]:
+    """Single process. ``ns_precision="float64"``: float64 model and NS; ``"torch"``: float32
+    model with ``torch.optim.Muon`` exactly as shipped (bfloat16 NS)."""
+    dtype = torch.float64 if ns_precision == "float64" else torch.float32
+    model = ToyTransformer(vocab=cfg.vocab)
+    model.init_weights()
+    model.to(dtype)
+    muon_params = [p for n, p in model.named_parameters() if dedicated_predicate(n, p)]
+    other_params = [p for n, p in model.named_parameters() if not dedicated_predicate(n, p)]
+    muon = torch.optim.Muon(
+        muon_params,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        ns_coefficients=cfg.ns_coefficients,
+        adjust_lr_fn=cfg.adjust_lr_fn,
+    )
+    adamw = torch.optim.AdamW(
+        other_params, lr=cfg.adamw_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay
+    )
+    patch = (
+        mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", _float64_ns)
+        if ns_precision == "float64"
+        else contextlib.nullcontext()
+    )
+    with patch:
+        for step in range(cfg.steps):
+            tokens = batch(cfg, step)
+            loss_fn(model(tokens), tokens).backward()
+            muon.step()
+            adamw.step()
+            muon.zero_grad()
+            adamw.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def initial_state(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    model = ToyTransformer(vocab=cfg.vocab)
+    model.init_weights()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------- DMuon
+def build_dmuon(cfg: RunConfig, world_size: int):
+    """Meta model → dedicate → (AC) → fully_shard → to_empty → init_weights → Muon."""
+    mesh = init_device_mesh(cfg.device, (world_size,))
+    ctx = torch.device("meta") if cfg.meta_init else torch.device(cfg.device)
+    with ctx:
+        model = ToyTransformer(vocab=cfg.vocab).to(cfg.param_dtype)
+    dmuon.dedicate_params(
+        model,
+        mesh,
+        dedicated_predicate,
+        reshard_after_forward=cfg.reshard_after_forward,
+        small_param_numel=cfg.small_param_numel,
+    )
+    if cfg.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    if cfg.meta_init:
+        model.to_empty(device=cfg.device)
+    model.init_weights()
+    optimizer = dmuon.Muon(
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        ns_dtype=cfg.ns_dtype,
+        ns_coefficients=cfg.ns_coefficients,
+        adjust_lr_fn=cfg.adjust_lr_fn,
+        adamw_lr=cfg.adamw_lr,
+        adamw_betas=(0.9, 0.95),
+        adamw_eps=1e-8,
+        adamw_weight_decay=cfg.weight_decay,
+    )
+    return model, optimizer
+
+
+def local_slice(cfg: RunConfig, tokens: torch.Tensor, rank: int, world_size: int):
+    per_rank = cfg.batch // world_size
+    return tokens[rank * per_rank : (rank + 1) * per_rank].to(cfg.device)
+
+
+def train_step(cfg: RunConfig, model, optimizer, step: int, rank: int, world_size: int) -> None:
+    tokens = local_slice(cfg, batch(cfg, step), rank, world_size)
+    chunks = tokens.chunk(cfg.micro_batches)
+    for i, chunk in enumerate(chunks):
+        last = i == len(chunks) - 1
+        with contextlib.nullcontext() if last else dmuon.no_sync(model):
+            (loss_fn(model(chunk), chunk) / len(chunks)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def train_dmuon(rank: int, world_size: int, cfg: RunConfig) -> dict:
+    model, optimizer = build_dmuon(cfg, world_size)
+    for step in range(cfg.steps):
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    return {
+        "weights": dmuon.get_model_state_dict(model),
+        "plan": dmuon.summarize_plan(model),
+    }
+
+
+def parity_suite(rank: int, world_size: int, configs: list[RunConfig]) -> list[dict]:
+    """Several configurations in one process group (process start-up is the slow part)."""
+    results = []
+    for cfg in configs:
+        results.append(train_dmuon(rank, world_size, cfg)["weights"] if rank == 0 else None)
+        dist.barrier()
+    return results
+
+
+def with_(cfg: RunConfig, **changes) -> RunConfig:
+    return replace(cfg, **changes)
