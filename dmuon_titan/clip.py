@@ -23,15 +23,17 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip all gradients of ``model`` by their global ``norm_type`` norm; return that norm.
 
-    The norm covers FSDP2 (DTensor) gradients, owned dedicated gradients (each counted once,
-    on its owner) and any plain replicated gradients. Two collectives, always in this order:
-    the DTensor norm's reduction, then an all-reduce of the owned part over the DMuon group.
+    Same formula as ``torch.nn.utils.clip_grad_norm_`` on one process. The norm covers FSDP2
+    (DTensor) gradients, owned dedicated gradients (each counted once, on its owner) and any
+    plain replicated gradients. Collectives, always in this order on every rank: the DTensor
+    norm's reduction, then an all-reduce of the owned part over the DMuon group.
     """
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
         state.adopt_registered()
         state.finalize_reduces()
     norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
     sharded, plain, owned = [], [], []
     for p in model.parameters():
         if p.grad is None:
@@ -43,50 +45,38 @@ def clip_grad_norm_(
             sharded.append(p.grad)
         else:
             plain.append(p.grad)
+    grads = sharded + plain + owned
+    dtype = torch.float32
+    for g in grads:
+        dtype = torch.promote_types(dtype, g.dtype)
+    device = state.device if state is not None else (grads[0].device if grads else "cpu")
 
-    device = (
-        state.device
-        if state is not None
-        else (
-            (sharded or plain or owned)[0].device
-            if (sharded or plain or owned)
-            else torch.device("cpu")
-        )
-    )
+    def local_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+        if not tensors:
+            return torch.zeros((), device=device, dtype=dtype)
+        return torch.nn.utils.get_total_norm(tensors, norm_type, foreach=foreach).to(device, dtype)
 
-    def local_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-        if not grads:
-            return torch.zeros((), device=device, dtype=torch.float32)
-        return torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach).float().to(device)
-
-    parts = []
+    parts = [local_norm(plain)]
     if sharded:
-        total = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach)
-        parts.append(total.full_tensor().float().to(device))
-    parts.append(local_norm(plain))
-    if state is not None:
+        norm = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach)
+        parts.append(norm.full_tensor().to(device, dtype))
+    if state is not None and state.world_size > 1:
         owned_norm = local_norm(owned)
-        if state.world_size > 1:
-            if math.isinf(norm_type):
-                dist.all_reduce(owned_norm, op=dist.ReduceOp.MAX, group=state.comm.group)
-            else:
-                owned_norm = owned_norm.pow(norm_type)
-                dist.all_reduce(owned_norm, group=state.comm.group)
-                owned_norm = owned_norm.pow(1.0 / norm_type)
+        if inf:
+            dist.all_reduce(owned_norm, op=dist.ReduceOp.MAX, group=state.comm.group)
+        else:
+            owned_norm = owned_norm.pow(norm_type)
+            dist.all_reduce(owned_norm, group=state.comm.group)
+            owned_norm = owned_norm.pow(1.0 / norm_type)
         parts.append(owned_norm)
+    else:
+        parts.append(local_norm(owned))
     stacked = torch.stack(parts)
-    total_norm = (
-        stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
-    )
+    total_norm = stacked.max() if inf else torch.linalg.vector_norm(stacked, norm_type)
 
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")
     clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    locals_ = [g.to_local() for g in sharded] + plain + owned
-    for g in locals_:
-        g.mul_(
-            clip_coef.to(g.device, g.dtype)
-            if g.dtype != clip_coef.dtype
-            else clip_coef.to(g.device)
-        )
+    for g in [g.to_local() for g in sharded] + plain + owned:
+        g.mul_(clip_coef.to(device=g.device, dtype=g.dtype))
     return total_norm

@@ -134,10 +134,11 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> fl
     ``"match_rms_adamw"``: lr·0.2·sqrt(max(rows, cols)) (Moonshot), so AdamW's lr carries over.
     """
     rows, cols = int(shape[0]), int(shape[1])
+    # The ratio first, then the product: the same rounding as torch.optim.Muon.
     if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1.0, rows / cols))
+        return lr * math.sqrt(max(1, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
+        return lr * (0.2 * math.sqrt(max(rows, cols)))
     raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; known: {list(ADJUST_LR_FNS)}")
 
 

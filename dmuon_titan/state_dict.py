@@ -32,10 +32,15 @@ def _dedicated_by_fqn(state: DMuonState | None) -> dict[str, DedicatedParam]:
     return {p.fqn: p for p in state.params} if state else {}
 
 
+def _cpu_copy(value: torch.Tensor) -> torch.Tensor:
+    """A CPU snapshot that never aliases live training state."""
+    return value.detach().to("cpu", copy=True)
+
+
 def _full(value: torch.Tensor) -> torch.Tensor:
     if isinstance(value, DTensor):
         value = value.full_tensor()
-    return value.detach().cpu()
+    return _cpu_copy(value)
 
 
 def _broadcast_from_owner(state: DMuonState, p: DedicatedParam, value: torch.Tensor | None):
@@ -45,9 +50,7 @@ def _broadcast_from_owner(state: DMuonState, p: DedicatedParam, value: torch.Ten
     else:
         buf = torch.empty(p.shape, dtype=p.orig_dtype, device=state.device)
     state.comm.broadcast(buf, p.owner, "state_dict").wait()
-    if state.device.type == "cuda":
-        torch.cuda.current_stream().synchronize()
-    return buf.cpu()
+    return _cpu_copy(buf)
 
 
 def _shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

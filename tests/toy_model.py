@@ -86,13 +86,16 @@ class ToyTransformer(nn.Module):
                 if p.numel() == 0:  # a dedicated placeholder: the owner initializes it
                     continue
                 # One generator per name: values do not depend on which rank owns what.
-                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                full = init_value(name, p.shape, g)
+                # (Wrapper segments such as activation checkpointing's are not part of the name.)
+                full = init_value(name.replace("_checkpoint_wrapped_module.", ""), p.shape, seed)
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.copy_(_local_piece(p, full).to(local.dtype))
 
 
-def init_value(name: str, shape, generator: torch.Generator) -> torch.Tensor:
+def init_value(name: str, shape, seed: int = 0) -> torch.Tensor:
+    """What ``init_weights`` writes into parameter ``name``: one generator per name, so the
+    value does not depend on which rank owns what."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if len(shape) == 1:
         return 1.0 + 0.1 * torch.randn(shape, generator=generator)
     return torch.randn(shape, generator=generator) / shape[-1] ** 0.5
@@ -118,3 +121,18 @@ def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy, at least in float32 (float64 models keep float64)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+
+class ReuseTransformer(ToyTransformer):
+    """``layers.0`` runs twice per forward; ``layers.1.spare`` is a matrix nobody uses."""
+
+    def __init__(self, vocab: int = 64, **kwargs) -> None:
+        super().__init__(vocab=vocab, **kwargs)
+        dim = self.output.in_features
+        self.layers[1].spare = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for i in (0, 1, 0, 2):
+            h = self.layers[i](h)
+        return self.output(self.norm(h))

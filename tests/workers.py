@@ -17,7 +17,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dmuon_titan as dmuon
 
-from .toy_model import ToyTransformer, dedicated_predicate, loss_fn
+from .toy_model import ReuseTransformer, ToyTransformer, dedicated_predicate, loss_fn
+
+MODELS = {"toy": ToyTransformer, "reuse": ReuseTransformer}
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class RunConfig:
     adjust_lr_fn: str | None = None
     ns_coefficients: tuple = (3.4445, -4.7750, 2.0315)
     mixed_precision: bool = False
+    max_norm: float | None = None  # clip gradients by the global norm before each step
+    model: str = "toy"  # a key of MODELS
     meta_init: bool = True
     device: str = "cpu"
 
@@ -48,24 +52,32 @@ def batch(cfg: RunConfig, step: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- reference
-def _float64_ns(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim.Muon's Newton–Schulz with its bfloat16 cast replaced by float64."""
-    a, b, c = ns_coefficients
-    x = grad.to(torch.float64)
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if grad.size(0) > grad.size(1) else x
+def ns_in(dtype: torch.dtype):
+    """torch.optim.Muon's Newton–Schulz with its bfloat16 cast replaced by ``dtype``."""
+
+    def zeropower(grad, ns_coefficients, ns_steps, eps):
+        a, b, c = ns_coefficients
+        x = grad.to(dtype)
+        if grad.size(0) > grad.size(1):
+            x = x.T
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        return x.T if grad.size(0) > grad.size(1) else x
+
+    return zeropower
 
 
-def train_reference(cfg: RunConfig, ns_precision: str = "float64") -> dict[str, torch.Tensor]:
-    """Single process. ``ns_precision="float64"``: float64 model and NS; ``"torch"``: float32
-    model with ``torch.optim.Muon`` exactly as shipped (bfloat16 NS)."""
+def train_reference(
+    cfg: RunConfig, ns_precision: str = "float64", chunks: int = 1
+) -> dict[str, torch.Tensor]:
+    """Single process, whole batch. ``ns_precision``: ``"float64"`` (float64 model and NS),
+    ``"float32"`` (float32 model and NS) or ``"torch"`` (float32 model, ``torch.optim.Muon``
+    exactly as shipped, i.e. bfloat16 NS). ``chunks > 1`` accumulates the same batch in
+    chunks: the same math, summed in another order (a rounding-noise probe)."""
     dtype = torch.float64 if ns_precision == "float64" else torch.float32
-    model = ToyTransformer(vocab=cfg.vocab)
+    model = MODELS[cfg.model](vocab=cfg.vocab)
     model.init_weights()
     model.to(dtype)
     muon_params = [p for n, p in model.named_parameters() if dedicated_predicate(n, p)]
@@ -81,14 +93,17 @@ def train_reference(cfg: RunConfig, ns_precision: str = "float64") -> dict[str, 
         other_params, lr=cfg.adamw_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay
     )
     patch = (
-        mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", _float64_ns)
-        if ns_precision == "float64"
-        else contextlib.nullcontext()
+        contextlib.nullcontext()
+        if ns_precision == "torch"
+        else mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", ns_in(dtype))
     )
     with patch:
         for step in range(cfg.steps):
             tokens = batch(cfg, step)
-            loss_fn(model(tokens), tokens).backward()
+            for chunk in tokens.chunk(chunks):
+                (loss_fn(model(chunk), chunk) / chunks).backward()
+            if cfg.max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
             muon.step()
             adamw.step()
             muon.zero_grad()
@@ -97,7 +112,7 @@ def train_reference(cfg: RunConfig, ns_precision: str = "float64") -> dict[str, 
 
 
 def initial_state(cfg: RunConfig) -> dict[str, torch.Tensor]:
-    model = ToyTransformer(vocab=cfg.vocab)
+    model = MODELS[cfg.model](vocab=cfg.vocab)
     model.init_weights()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -108,7 +123,7 @@ def build_dmuon(cfg: RunConfig, world_size: int):
     mesh = init_device_mesh(cfg.device, (world_size,))
     ctx = torch.device("meta") if cfg.meta_init else torch.device(cfg.device)
     with ctx:
-        model = ToyTransformer(vocab=cfg.vocab).to(cfg.param_dtype)
+        model = MODELS[cfg.model](vocab=cfg.vocab).to(cfg.param_dtype)
     dmuon.dedicate_params(
         model,
         mesh,
@@ -161,6 +176,8 @@ def train_step(cfg: RunConfig, model, optimizer, step: int, rank: int, world_siz
         last = i == len(chunks) - 1
         with contextlib.nullcontext() if last else dmuon.no_sync(model):
             (loss_fn(model(chunk), chunk) / len(chunks)).backward()
+    if cfg.max_norm is not None:
+        dmuon.clip_grad_norm_(model, cfg.max_norm)
     optimizer.step()
     optimizer.zero_grad()
 
@@ -179,7 +196,8 @@ def parity_suite(rank: int, world_size: int, configs: list[RunConfig]) -> list[d
     """Several configurations in one process group (process start-up is the slow part)."""
     results = []
     for cfg in configs:
-        results.append(train_dmuon(rank, world_size, cfg)["weights"] if rank == 0 else None)
+        weights = train_dmuon(rank, world_size, cfg)["weights"]
+        results.append(weights if rank == 0 else None)
         dist.barrier()
     return results
 

@@ -1,0 +1,138 @@
+"""Per-rank bodies of the distributed tests other than plain parity (see test_distributed.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import dmuon_titan as dmuon
+from dmuon_titan.runtime.group import UnshardState
+
+from .toy_model import ToyTransformer, init_value, loss_fn
+from .workers import RunConfig, batch, build_dmuon, local_slice, train_step
+
+
+def _dedicated_payload_bytes(state) -> int:
+    return sum(p.numel * p.param_dtype.itemsize for p in state.params)
+
+
+def accounting_and_storage(rank: int, world_size: int, configs: list[RunConfig]) -> list[dict]:
+    """Per config: storage after the meta flow, bytes of one training step, storage after it."""
+    out = []
+    for cfg in configs:
+        model, optimizer = build_dmuon(cfg, world_size)
+        state = model._dmuon_state
+        for p in state.params:
+            if p.is_owner:
+                expected = init_value(p.fqn, p.shape).to(p.owned.dtype)
+                assert torch.equal(p.owned.detach(), expected), (
+                    f"{p.fqn}: not what init_weights wrote"
+                )
+            else:
+                assert p.owned.numel() == 0 and p.owned.untyped_storage().nbytes() == 0, p.fqn
+        train_step(cfg, model, optimizer, 0, rank, world_size)  # records the forward order
+        state.comm.stats.reset()
+        train_step(cfg, model, optimizer, 1, rank, world_size)
+        stats = state.comm.stats
+        for g in state.groups:
+            assert g.unshard_state is UnshardState.FREED, g.path
+            for bucket in g.buckets:
+                assert bucket.buffer.untyped_storage().nbytes() == 0, g.path
+        for p in state.params:
+            assert p.unsharded.grad is None and p.owned.grad is None, p.fqn
+            if not p.is_owner:
+                assert p.owned.numel() == 0 and p.owned not in optimizer.state, p.fqn
+        out.append(
+            {
+                "moved": {k: stats.moved_bytes_per_rank(k) for k in stats.payload_bytes},
+                "ops": dict(stats.ops),
+                "P_M": _dedicated_payload_bytes(state),
+                "buckets": sum(len(g.buckets) for g in state.groups),
+            }
+        )
+        dist.barrier()
+    return out
+
+
+def clip_norm_first_step(rank: int, world_size: int, cfg: RunConfig) -> float:
+    model, optimizer = build_dmuon(cfg, world_size)
+    tokens = local_slice(cfg, batch(cfg, 0), rank, world_size)
+    loss_fn(model(tokens), tokens).backward()
+    return dmuon.clip_grad_norm_(model, max_norm=1e9).item()
+
+
+def resume_save(rank: int, world_size: int, cfg: RunConfig, at: int) -> dict:
+    model, optimizer = build_dmuon(cfg, world_size)
+    for step in range(at):
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    saved = {
+        "model": dmuon.get_model_state_dict(model),
+        "optim": dmuon.get_optimizer_state_dict(model, optimizer),
+    }
+    for step in range(at, cfg.steps):
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    return {**saved, "final": dmuon.get_model_state_dict(model)}
+
+
+def resume_load(rank: int, world_size: int, cfg: RunConfig, saved: dict, at: int) -> dict:
+    model, optimizer = build_dmuon(cfg, world_size)
+    dmuon.set_model_state_dict(model, saved["model"])
+    dmuon.set_optimizer_state_dict(model, optimizer, saved["optim"])
+    reexported = {
+        "model": dmuon.get_model_state_dict(model),
+        "optim": dmuon.get_optimizer_state_dict(model, optimizer),
+    }
+    for step in range(at, cfg.steps):
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    return {**reexported, "final": dmuon.get_model_state_dict(model)}
+
+
+def mixed_precision(rank: int, world_size: int) -> dict:
+    """DMuon vs plain FSDP2 under MixedPrecisionPolicy(bf16 compute, fp32 reduce)."""
+    cfg = RunConfig(mixed_precision=True)
+    model, optimizer = build_dmuon(cfg, world_size)
+    state = model._dmuon_state
+    mesh = init_device_mesh("cpu", (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with torch.device("meta"):
+        plain = ToyTransformer()
+    for layer in plain.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(plain, mesh=mesh, mp_policy=mp)
+    plain.to_empty(device="cpu")
+    plain.init_weights()
+
+    seen = {}
+
+    def record_dtype(module, args):
+        seen["dtype"] = module.weight.dtype
+
+    handle = model.layers[0].attention.wq.register_forward_pre_hook(record_dtype)
+    tokens = local_slice(cfg, batch(cfg, 0), rank, world_size)
+    loss_fn(model(tokens), tokens).backward()
+    loss_fn(plain(tokens), tokens).backward()
+    handle.remove()
+
+    worst = 0.0
+    plain_params = dict(plain.named_parameters())
+    for p in state.params:
+        expected = plain_params[p.fqn].grad.full_tensor()
+        got = p.owned.grad if p.is_owner else torch.empty_like(expected)
+        if p.is_owner:
+            assert got.dtype == torch.float32
+        dist.broadcast(got, group_src=p.owner, group=state.comm.group)
+        worst = max(worst, ((got - expected).norm() / expected.norm()).item())
+    optimizer.step()
+    momentum_dtypes = {
+        str(optimizer.state[p.owned]["momentum_buffer"].dtype) for p in state.owned_params()
+    }
+    return {
+        "compute_dtype": str(seen["dtype"]),
+        "master_dtypes": sorted({str(p.owned.dtype) for p in state.params}),
+        "momentum_dtypes": sorted(momentum_dtypes),
+        "grad_rel_error": worst,
+        "payload": dict(state.comm.stats.payload_bytes),
+        "dedicated_numel": sum(p.numel for p in state.params),
+    }

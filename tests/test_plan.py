@@ -1,0 +1,99 @@
+"""Partition planning: pure functions, no process group."""
+
+import pytest
+
+from dmuon_titan.ns import ns_flops
+from dmuon_titan.plan import ParamSpec, plan_partition
+
+LLAMA3_8B = {
+    "attention.wq": (4096, 4096),
+    "attention.wk": (1024, 4096),
+    "attention.wv": (1024, 4096),
+    "attention.wo": (4096, 4096),
+    "feed_forward.w1": (14336, 4096),
+    "feed_forward.w2": (4096, 14336),
+    "feed_forward.w3": (14336, 4096),
+}
+LLAMA3_1B = {
+    "attention.wq": (2048, 2048),
+    "attention.wk": (512, 2048),
+    "attention.wv": (512, 2048),
+    "attention.wo": (2048, 2048),
+    "feed_forward.w1": (8192, 2048),
+    "feed_forward.w2": (2048, 8192),
+    "feed_forward.w3": (8192, 2048),
+}
+
+
+def llama_specs(shapes, n_layers):
+    return [
+        ParamSpec(f"layers.{i}.{name}.weight", shape, f"layers.{i}")
+        for i in range(n_layers)
+        for name, shape in shapes.items()
+    ]
+
+
+def test_ns_flops_counts_the_three_matmuls_on_the_wide_orientation():
+    # 4096x14336, wide: X X^T = 2*m*m*n, A*A = 2*m^3, B*X = 2*m*m*n per iteration.
+    m, n = 4096, 14336
+    assert ns_flops((m, n), 5) == 5 * (2 * m * m * n + 2 * m**3 + 2 * m * m * n)
+    assert ns_flops((n, m), 5) == ns_flops((m, n), 5)  # tall matrices are transposed first
+
+
+@pytest.mark.parametrize("world_size", [8, 16])
+def test_llama3_8b_balance_and_spread(world_size):
+    specs = llama_specs(LLAMA3_8B, 32)
+    plan = plan_partition(specs, world_size)
+    assert plan.imbalance() <= 1.05
+    per_boundary = {}
+    for spec, owner in zip(plan.specs, plan.owners, strict=True):
+        per_boundary.setdefault(spec.boundary, []).append(owner)
+    for boundary, owners in per_boundary.items():
+        assert len(set(owners)) == len(owners), f"{boundary} has two params on one owner: {owners}"
+
+
+def test_llama3_1b_balance_on_8_ranks():
+    assert plan_partition(llama_specs(LLAMA3_1B, 16), 8).imbalance() <= 1.05
+
+
+def test_plan_is_deterministic_and_fingerprinted():
+    specs = llama_specs(LLAMA3_8B, 4)
+    a, b = plan_partition(specs, 3), plan_partition(list(specs), 3)
+    assert a.owners == b.owners and a.fingerprint() == b.fingerprint()
+    moved = plan_partition(specs[1:] + specs[:1], 3)
+    assert moved.fingerprint() != a.fingerprint()  # order is part of the contract
+
+
+def test_loads_add_up_and_every_rank_works():
+    specs = llama_specs(LLAMA3_8B, 32)
+    plan = plan_partition(specs, 8)
+    loads = plan.load_per_rank()
+    assert sum(loads) == sum(ns_flops(s.shape) for s in specs)
+    assert min(loads) > 0
+
+
+def test_small_params_of_a_boundary_share_one_owner():
+    specs = [ParamSpec(f"b{b}.p{i}", (8, 8), f"b{b}") for b in range(3) for i in range(5)]
+    specs.append(ParamSpec("b0.big", (512, 512), "b0"))
+    plan = plan_partition(specs, 4, small_param_numel=64)
+    for b in range(3):
+        owners = {
+            o
+            for s, o in zip(plan.specs, plan.owners, strict=True)
+            if s.boundary == f"b{b}" and s.numel <= 64
+        }
+        assert len(owners) == 1
+    # With packing disabled they spread again over the three ranks not busy with b0.big.
+    spread = plan_partition(specs, 4, small_param_numel=0)
+    owners_b1 = {o for s, o in zip(spread.specs, spread.owners, strict=True) if s.boundary == "b1"}
+    assert len(owners_b1) == 3
+
+
+def test_single_rank_owns_everything():
+    plan = plan_partition(llama_specs(LLAMA3_1B, 2), 1)
+    assert set(plan.owners) == {0} and plan.imbalance() == 1.0
+
+
+def test_bad_world_size():
+    with pytest.raises(ValueError, match="world_size"):
+        plan_partition([], 0)
