@@ -26,7 +26,7 @@ def accounting_and_storage(rank: int, world_size: int, configs: list[RunConfig])
         state = model._dmuon_state
         for p in state.params:
             if p.is_owner:
-                expected = init_value(p.fqn, p.shape).to(p.owned.dtype)
+                expected = init_value(p.fqn, p.shape).to(p.owned.device, p.owned.dtype)
                 assert torch.equal(p.owned.detach(), expected), (
                     f"{p.fqn}: not what init_weights wrote"
                 )
@@ -89,19 +89,19 @@ def resume_load(rank: int, world_size: int, cfg: RunConfig, saved: dict, at: int
     return {**reexported, "final": dmuon.get_model_state_dict(model)}
 
 
-def mixed_precision(rank: int, world_size: int) -> dict:
+def mixed_precision(rank: int, world_size: int, device: str = "cpu") -> dict:
     """DMuon vs plain FSDP2 under MixedPrecisionPolicy(bf16 compute, fp32 reduce)."""
-    cfg = RunConfig(mixed_precision=True)
+    cfg = RunConfig(mixed_precision=True, device=device)
     model, optimizer = build_dmuon(cfg, world_size)
     state = model._dmuon_state
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(device, (world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     with torch.device("meta"):
         plain = ToyTransformer()
     for layer in plain.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(plain, mesh=mesh, mp_policy=mp)
-    plain.to_empty(device="cpu")
+    plain.to_empty(device=device)
     plain.init_weights()
 
     seen = {}
@@ -136,3 +136,26 @@ def mixed_precision(rank: int, world_size: int) -> dict:
         "payload": dict(state.comm.stats.payload_bytes),
         "dedicated_numel": sum(p.numel for p in state.params),
     }
+
+
+def count_host_syncs(rank: int, world_size: int, cfg: RunConfig) -> dict:
+    """CUDA only: synchronizing calls during forward and during backward of a warm step."""
+    import warnings
+
+    model, optimizer = build_dmuon(cfg, world_size)
+    for step in range(2):  # the second step uses the recorded order (prefetch)
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    tokens = local_slice(cfg, batch(cfg, 2), rank, world_size)
+    counts = {}
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = loss_fn(model(tokens), tokens)
+            counts["forward"] = sum("synchronizing" in str(w.message) for w in caught)
+            caught.clear()
+            loss.backward()
+            counts["backward"] = sum("synchronizing" in str(w.message) for w in caught)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return counts

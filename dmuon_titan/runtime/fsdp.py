@@ -1,9 +1,10 @@
 """Keep FSDP2's ``fully_shard`` off dedicated parameters, whatever the import order.
 
-``fully_shard`` collects the parameters it manages through two helpers that it looks up in
-``torch.distributed.fsdp._fully_shard._fsdp_init`` at call time. Wrapping those helpers (not
-``fully_shard`` itself, which callers may have imported by name before us) makes every call
-treat parameters marked with ``_dedicated_owner_rank`` as ``ignored_params``.
+``fully_shard`` collects the parameters it manages through two helpers,
+``_get_managed_modules`` and ``_get_managed_states``, looked up at call time in the module
+namespace that calls them (``_fsdp_init`` in torch 2.13, ``_fully_shard`` in earlier
+releases). Wrapping those helpers (not ``fully_shard`` itself, which callers may have imported
+by name before us) makes every call treat dedicated parameters as ``ignored_params``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from torch import nn
-from torch.distributed.fsdp._fully_shard import _fsdp_init
+from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
 
 from .owned_param import dedicated_params_of, is_dedicated
 
@@ -45,7 +46,8 @@ def install_fully_shard_patch() -> None:
     """Idempotent: wrap ``_get_managed_modules`` and ``_get_managed_states`` once."""
     # Root modules: search their whole subtree. Managed-module lists already hold every
     # submodule, so each contributes only its own parameters.
-    for name, recurse in (("_get_managed_modules", True), ("_get_managed_states", False)):
-        fn = getattr(_fsdp_init, name)
-        if not getattr(fn, _PATCHED_FLAG, False):
-            setattr(_fsdp_init, name, _wrap(fn, recurse))
+    for namespace in (_fsdp_init, _fully_shard):
+        for name, recurse in (("_get_managed_modules", True), ("_get_managed_states", False)):
+            fn = getattr(namespace, name, None)
+            if fn is not None and not getattr(fn, _PATCHED_FLAG, False):
+                setattr(namespace, name, _wrap(fn, recurse))

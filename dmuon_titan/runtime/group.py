@@ -75,25 +75,30 @@ class OwnerBucket:
         """
         n = len(self.params)
         flat = torch.empty(self.numel + n, dtype=self.reduce_dtype, device=self.buffer.device)
+        flags = flat[self.numel :]
+        flags.zero_()
         offset = 0
         for i, p in enumerate(self.params):
             grad = p.unsharded.grad
             view = flat[offset : offset + p.numel]
             if grad is None:
                 view.zero_()
-                flat[self.numel + i] = 0
             else:
                 view.copy_(grad.reshape(-1))
-                flat[self.numel + i] = 1
+                flags[i : i + 1].fill_(1)  # a kernel, not a host-to-device copy
                 p.unsharded.grad = None
             offset += p.numel
         return flat
 
     @torch.no_grad()
-    def unpack_reduced(self, flat: torch.Tensor, world_size: int) -> None:
-        """Owner only: average the summed gradients into ``owned.grad`` (accumulating)."""
+    def presence_flags(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.numel :]
+
+    @torch.no_grad()
+    def unpack_reduced(self, flat: torch.Tensor, world_size: int, present: list[float]) -> None:
+        """Owner only: average the summed gradients into ``owned.grad`` (accumulating);
+        ``present`` are the summed presence flags, already on the host."""
         flat.div_(world_size)
-        present = flat[self.numel :].tolist()
         offset = 0
         for p, flag in zip(self.params, present, strict=True):
             if flag > 0:

@@ -179,12 +179,24 @@ class DMuonState:
         self._end_of_backward_queued = False
 
     def finalize_reduces(self) -> None:
-        """Wait for issued reduces; owners turn them into ``owned.grad``."""
+        """Wait for issued reduces; owners turn them into ``owned.grad``.
+
+        Whether any rank produced a gradient decides ``grad`` vs ``None`` on the host, so the
+        presence flags of all owned buckets come back in one device-to-host copy: the single
+        host synchronization of a step (at the end of backward), none in the hot loop.
+        """
         pending, self._pending_reduces = self._pending_reduces, []
-        for bucket, flat, handle in pending:
+        for _, _, handle in pending:
             handle.wait()
-            if flat is not None:
-                bucket.unpack_reduced(flat, self.world_size)
+        owned = [(bucket, flat) for bucket, flat, _ in pending if flat is not None]
+        if not owned:
+            return
+        flags = torch.cat([bucket.presence_flags(flat) for bucket, flat in owned]).tolist()
+        start = 0
+        for bucket, flat in owned:
+            n = len(bucket.params)
+            bucket.unpack_reduced(flat, self.world_size, flags[start : start + n])
+            start += n
 
     def zero_unsharded_grads(self) -> None:
         """Drop gradients accumulated locally (under ``no_sync``) but not reduced yet."""

@@ -1,0 +1,63 @@
+"""The distributed tests on CUDA with NCCL (collectives on their own streams, event waits).
+
+Skipped cleanly without two CUDA devices; run on 2×H200 (results in docs/benchmarks.md).
+"""
+
+import pytest
+import torch
+
+from .dist_harness import run_ranks
+from .scenarios import accounting_and_storage, count_host_syncs, mixed_precision
+from .test_parity import CASES, bf16_tolerance, references, relative_errors  # noqa: F401
+from .workers import RunConfig, parity_suite, with_
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+
+GPU_CASES = [
+    c
+    for c in CASES
+    if c[0]
+    in ("z3", "z2", "z3+ac", "z2+ac+no_sync", "z3+clip", "ns_float32", "fp32", "bf16_default")
+]
+
+
+def test_parity_nccl(references, bf16_tolerance):  # noqa: F811
+    configs = [with_(cfg, device="cuda") for _, cfg, _, _ in GPU_CASES]
+    results = run_ranks(parity_suite, 2, configs, backend="nccl", timeout=600)[0]
+    report, failures = [], []
+    for (name, _, _, tol), weights in zip(GPU_CASES, results, strict=True):
+        tol = bf16_tolerance if tol is None else tol
+        errors = relative_errors(weights, *references[name])
+        worst = max(errors, key=errors.get)
+        report.append(f"{name:14s} worst {errors[worst]:.2e} ({worst}) tol {tol:.1e}")
+        if not errors[worst] <= tol:
+            failures.append(report[-1])
+    print("\n".join(report))
+    assert not failures, "\n".join(failures)
+
+
+def test_bytes_and_storage_nccl():
+    exact = RunConfig(param_dtype=torch.float64, ns_dtype=torch.float64, device="cuda")
+    configs = [with_(exact, reshard_after_forward=False), exact]
+    for rank_results in run_ranks(accounting_and_storage, 2, configs, backend="nccl"):
+        for factor, r in zip((2, 3), rank_results, strict=True):
+            moved = r["moved"]
+            total = moved["forward"] + moved.get("backward_unshard", 0.0) + moved["reduce"]
+            assert total == pytest.approx(factor * 0.5 * r["P_M"], rel=1e-12)
+
+
+def test_mixed_precision_nccl():
+    for r in run_ranks(mixed_precision, 2, "cuda", backend="nccl"):
+        assert r["compute_dtype"] == "torch.bfloat16" and r["master_dtypes"] == ["torch.float32"]
+        assert r["grad_rel_error"] < 1e-6
+
+
+def test_host_syncs_nccl():
+    cfg = RunConfig(device="cuda", mixed_precision=True, ns_dtype=torch.bfloat16)
+    for counts in run_ranks(count_host_syncs, 2, cfg, backend="nccl"):
+        print(counts)
+        assert counts["forward"] == 0
+        assert counts["backward"] <= 1  # the presence flags, once, at the end of backward
