@@ -10,7 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import dmuon_titan as dmuon
 from dmuon_titan.runtime.group import UnshardState
 
-from .toy_model import ToyTransformer, init_value, loss_fn
+from .toy_model import ToyTransformer, dedicated_predicate, init_value, loss_fn
 from .workers import RunConfig, batch, build_dmuon, local_slice, train_step
 
 
@@ -159,3 +159,20 @@ def count_host_syncs(rank: int, world_size: int, cfg: RunConfig) -> dict:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return counts
+
+
+def plan_mismatch(rank: int, world_size: int) -> str:
+    """Ranks that dedicate different parameters must all fail at setup, not hang later."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    with torch.device("meta"):
+        model = ToyTransformer()
+    last = f"layers.{rank}."  # each rank leaves out a different layer
+
+    def predicate(name, p):
+        return dedicated_predicate(name, p) and not name.startswith(last)
+
+    try:
+        dmuon.dedicate_params(model, mesh, predicate)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"

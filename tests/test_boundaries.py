@@ -4,6 +4,7 @@ Models are built on the meta device (the seed's sizes cost no memory) and dedica
 one-rank gloo mesh; the hook sites are read back from the plan summary.
 """
 
+import json
 import warnings
 
 import pytest
@@ -16,6 +17,8 @@ from dmuon_titan.plan import default_boundary, select_boundaries
 
 def hook_sites(model, mesh, predicate, **kwargs):
     summary = dmuon.dedicate_params(model, mesh, predicate, **kwargs)
+    json.dumps(summary)  # the plan summary is JSON-friendly
+    assert summary == dmuon.summarize_plan(model)
     return summary["boundaries"], {p["fqn"]: p["boundary"] for p in summary["params"]}
 
 

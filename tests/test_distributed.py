@@ -9,6 +9,7 @@ from .scenarios import (
     accounting_and_storage,
     clip_norm_first_step,
     mixed_precision,
+    plan_mismatch,
     resume_load,
     resume_save,
 )
@@ -126,3 +127,8 @@ def test_reused_boundary_and_unused_matrix(world_size):
             init,
         )
         assert max(errors.values()) <= 1e-10, (cfg, max(errors, key=errors.get))
+
+
+def test_plans_that_differ_across_ranks_fail_everywhere():
+    for message in run_ranks(plan_mismatch, 2, timeout=60):
+        assert "plans differ across ranks" in message

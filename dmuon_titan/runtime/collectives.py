@@ -87,7 +87,11 @@ class Collectives:
         if self.world_size == 1:
             return Pending()
         if self._use_streams:
-            return self._on_stream(self.unshard_stream, tensor, dist.broadcast, src)
+            return self._on_stream(
+                self.unshard_stream,
+                tensor,
+                lambda: dist.broadcast(tensor, group_src=src, group=self.group),
+            )
         work = dist.broadcast(tensor, group_src=src, group=self.group, async_op=True)
         return Pending(work=work, tensor=tensor)
 
@@ -104,20 +108,22 @@ class Collectives:
         if self.world_size == 1:
             return Pending()
         if self._use_streams:
-            return self._on_stream(self.reduce_stream, tensor, dist.reduce, dst)
+            return self._on_stream(
+                self.reduce_stream,
+                tensor,
+                lambda: dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=self.group),
+            )
         work = dist.reduce(
             tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
         return Pending(work=work, tensor=tensor)
 
-    def _on_stream(self, stream, tensor: Tensor, fn, peer: int) -> Pending:
-        # The collective must see everything the compute stream wrote into ``tensor``.
+    def _on_stream(self, stream, tensor: Tensor, issue) -> Pending:
+        # The collective must see everything the compute stream wrote into ``tensor``. Issued
+        # synchronously under ``stream``, NCCL makes ``stream`` (not the host) wait for it.
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            if fn is dist.broadcast:
-                dist.broadcast(tensor, group_src=peer, group=self.group)
-            else:
-                dist.reduce(tensor, group_dst=peer, op=dist.ReduceOp.SUM, group=self.group)
+            issue()
             event = stream.record_event()
         # The tensor was allocated on the compute stream; tell the allocator it is in use on
         # ``stream`` too, so dropping our reference early never lets it be reused too soon.

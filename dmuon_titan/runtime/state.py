@@ -7,7 +7,6 @@ plan, the recorded forward order, which boundaries ran), never from local data o
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
@@ -207,10 +206,6 @@ class DMuonState:
     # ------------------------------------------------------------------ queries
     def owned_params(self) -> list[DedicatedParam]:
         return [p for p in self.params if p.is_owner]
-
-    @property
-    def group_ranks(self) -> list[int]:
-        return dist.get_process_group_ranks(self.comm.group)
 
 
 def _nearest_mp_policy(module: nn.Module, parents: dict[nn.Module, nn.Module]):
