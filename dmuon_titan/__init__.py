@@ -7,7 +7,13 @@ from .runtime.fsdp import install_fully_shard_patch
 
 install_fully_shard_patch()
 
-from .api import dedicate_params, no_sync, summarize_plan, wait_all_replicate_broadcasts  # noqa: E402
+from .api import (  # noqa: E402
+    dedicate_params,
+    no_sync,
+    set_gradient_divide_factor,
+    summarize_plan,
+    wait_all_replicate_broadcasts,
+)
 from .clip import clip_grad_norm_  # noqa: E402
 from .muon import Muon  # noqa: E402
 from .ns import NS_COEFFICIENT_SETS  # noqa: E402
@@ -27,6 +33,7 @@ __all__ = [
     "get_optimizer_state_dict",
     "no_sync",
     "set_model_state_dict",
+    "set_gradient_divide_factor",
     "set_optimizer_state_dict",
     "summarize_plan",
     "wait_all_replicate_broadcasts",

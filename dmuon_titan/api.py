@@ -211,6 +211,17 @@ def no_sync(model: nn.Module) -> Iterator[None]:
             m.set_requires_gradient_sync(True, recurse=False)
 
 
+def set_gradient_divide_factor(model: nn.Module, factor: float) -> None:
+    """Divide reduced dedicated gradients by ``factor`` (default: the world size, i.e. the mean).
+
+    Mirrors ``FSDPModule.set_gradient_divide_factor``: keep both equal. ``1.0`` sums, which is
+    right when the loss is already normalized by the global token count (torchtitan).
+    """
+    if not factor > 0:
+        raise ValueError(f"gradient divide factor must be > 0, got {factor!r}")
+    get_state(model).gradient_divide_factor = float(factor)
+
+
 def wait_all_replicate_broadcasts(model: nn.Module) -> None:
     """Drain asynchronous replica broadcasts (HSDP). Without a replicate mesh there are none."""
     get_state(model)

@@ -19,6 +19,7 @@ from torch.optim.adamw import adamw
 from . import ns
 from .runtime.owned_param import is_dedicated
 from .runtime.state import STATE_ATTR, DMuonState
+from .timing import PhaseTimer
 
 MUON_GROUP = 0
 ADAMW_GROUP = 1
@@ -83,17 +84,12 @@ class Muon(torch.optim.Optimizer):
             adamw_weight_decay=adamw_weight_decay,
         )
         ns.normalize_coefficients(ns_coefficients)  # validates; raises naming the value
-
         self._dmuon: DMuonState | None = getattr(model, STATE_ATTR, None)
         if self._dmuon is not None:
             self._dmuon.adopt_registered()
-        dedicated = [p.owned for p in self._dmuon.params] if self._dmuon else []
-        self._owned_ids = (
-            {id(p.owned) for p in self._dmuon.params if p.is_owner} if self._dmuon else set()
-        )
-        others = [p for p in model.parameters() if p.requires_grad and not is_dedicated(p)]
+        muon_params, other_params = self._split_params(model)
         muon_group = {
-            "params": dedicated,
+            "params": muon_params,
             "use_muon": True,
             "lr": lr,
             "momentum": momentum,
@@ -106,7 +102,7 @@ class Muon(torch.optim.Optimizer):
             "ns_dtype": ns_dtype,
         }
         adamw_group = {
-            "params": others,
+            "params": other_params,
             "use_muon": False,
             "lr": adamw_lr,
             "betas": tuple(adamw_betas),
@@ -121,6 +117,21 @@ class Muon(torch.optim.Optimizer):
             "decoupled_weight_decay": True,
         }
         super().__init__([muon_group, adamw_group], {})
+        device = self._dmuon.device if self._dmuon else next(model.parameters()).device
+        #: Per-step phase times ("optimizer", "ns", "adamw"); read with :meth:`step_timings`.
+        self.timer = PhaseTimer(device)
+
+    def _split_params(self, model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(Muon group, AdamW group): every dedicated matrix, then every other trainable one."""
+        dedicated = [p.owned for p in self._dmuon.params] if self._dmuon else []
+        others = [p for p in model.parameters() if p.requires_grad and not is_dedicated(p)]
+        return dedicated, others
+
+    @property
+    def _owned(self) -> dict[int, torch.Tensor]:
+        if self._dmuon is None:
+            return {}
+        return {id(p.owned): p.owned for p in self._dmuon.params if p.is_owner}
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -131,29 +142,40 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         if self._dmuon is not None:
             self._dmuon.finalize_reduces()
+        self.timer.reset()
+        self.timer.start("optimizer")
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_step(group)
             else:
+                self.timer.start("adamw")
                 self._adamw_step(group)
+                self.timer.stop("adamw")
+        self.timer.stop("optimizer")
         return loss
+
+    def step_timings(self) -> dict[str, float]:
+        """Milliseconds of the last ``step()`` per phase: ``optimizer`` (all of it), ``ns``
+        (Newton–Schulz only) and ``adamw``. Synchronizes once on CUDA: call it when logging."""
+        return self.timer.milliseconds()
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         coefficients = ns.normalize_coefficients(group["ns_coefficients"])
+        owned = self._owned
         for p in group["params"]:
-            if p.grad is None or id(p) not in self._owned_ids:
+            if p.grad is None or owned.get(id(p)) is not p:
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(
-                    p.grad, memory_format=torch.preserve_format
-                )
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             direction = ns.momentum_direction(
                 p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]
             )
+            self.timer.start("ns")
             ortho = ns.zeropower_via_newtonschulz(
                 direction, coefficients, group["ns_steps"], group["eps"], group["ns_dtype"]
             )
+            self.timer.stop("ns")
             ns.apply_update(
                 p,
                 ortho,
@@ -164,19 +186,10 @@ class Muon(torch.optim.Optimizer):
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        fused = bool(group["fused"])
         for p in group["params"]:
             if p.grad is None:
                 continue
-            state = self.state[p]
-            if not state:
-                state["step"] = (
-                    torch.zeros((), dtype=torch.float32, device=p.device)
-                    if fused
-                    else torch.tensor(0.0, dtype=torch.float32)
-                )
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state = self._adamw_state(p, group)
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
@@ -202,6 +215,38 @@ class Muon(torch.optim.Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+
+    def _adamw_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """``torch.optim.AdamW``'s state for ``p``, created as AdamW creates it."""
+        state = self.state[p]
+        if not state:
+            fused = bool(group["fused"])
+            state["step"] = (
+                torch.zeros((), dtype=torch.float32, device=p.device)
+                if fused
+                else torch.tensor(0.0, dtype=torch.float32)
+            )
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def materialize_state(self) -> None:
+        """Create every state entry a first ``step()`` would create, without stepping.
+
+        Zero momentum and zero Adam moments at step 0 behave exactly like absent state, so
+        this changes no future update; it gives checkpoint loading tensors to load into.
+        Collective-free, like ``step()``.
+        """
+        owned = self._owned
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not group["use_muon"]:
+                    self._adamw_state(p, group)
+                elif owned.get(id(p)) is p and "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format
+                    )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

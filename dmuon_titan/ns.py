@@ -151,8 +151,17 @@ def momentum_direction(
 
 
 def apply_update(
-    param: Tensor, ortho: Tensor, *, lr: float, weight_decay: float, adjust_lr_fn: str | None
+    param: Tensor,
+    ortho: Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    adjust_lr_fn: str | None,
+    shape: Sequence[int] | None = None,
 ) -> None:
-    """Decoupled weight decay, then the orthogonalized step with the shape-adjusted lr."""
+    """Decoupled weight decay, then the orthogonalized step with the shape-adjusted lr.
+
+    ``shape`` is the full matrix shape when ``param``/``ortho`` are one shard of it.
+    """
     param.mul_(1 - lr * weight_decay)
-    param.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, param.shape))
+    param.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, param.shape if shape is None else shape))

@@ -95,10 +95,13 @@ class OwnerBucket:
         return flat[self.numel :]
 
     @torch.no_grad()
-    def unpack_reduced(self, flat: torch.Tensor, world_size: int, present: list[float]) -> None:
-        """Owner only: average the summed gradients into ``owned.grad`` (accumulating);
+    def unpack_reduced(
+        self, flat: torch.Tensor, divide_factor: float, present: list[float]
+    ) -> None:
+        """Owner only: divide the summed gradients into ``owned.grad`` (accumulating);
         ``present`` are the summed presence flags, already on the host."""
-        flat.div_(world_size)
+        if divide_factor != 1:
+            flat.div_(divide_factor)
         offset = 0
         for p, flag in zip(self.params, present, strict=True):
             if flag > 0:

@@ -54,6 +54,9 @@ class DMuonState:
         self.requires_gradient_sync = True
         self.rank = comm.rank
         self.world_size = comm.world_size
+        # Summed gradients are divided by this (FSDP2's gradient divide factor): the world size
+        # averages; 1.0 sums, for losses already normalized globally (torchtitan does that).
+        self.gradient_divide_factor = float(comm.world_size)
         self.device = comm.device
         self.forward_order: list[int] | None = None  # recorded on the first step
         self._step_sequence: list[int] = []
@@ -194,7 +197,7 @@ class DMuonState:
         start = 0
         for bucket, flat in owned:
             n = len(bucket.params)
-            bucket.unpack_reduced(flat, self.world_size, flags[start : start + n])
+            bucket.unpack_reduced(flat, self.gradient_divide_factor, flags[start : start + n])
             start += n
 
     def zero_unsharded_grads(self) -> None:
