@@ -1,9 +1,19 @@
-"""Full, FQN-keyed state dicts: what a single-device model and optimizer would hold.
+"""FQN-keyed state dicts in two forms.
 
-``get_*`` gather on every rank (FSDP2 DTensors via ``full_tensor``, dedicated matrices by a
-broadcast from their owner) and return CPU tensors; ``set_*`` take the same full dicts on every
-rank and keep only what each rank stores, without any collective. Every key and shape is
-checked before anything is written, and errors name the offending key.
+``full=True`` (default): what a single-device model and optimizer would hold. ``get_*`` gather
+on every rank (FSDP2 DTensors via ``full_tensor``, dedicated matrices by a broadcast from their
+owner) and return CPU copies; ``set_*`` take the same full dicts on every rank and keep only
+what each rank stores, without any collective.
+
+``full=False``: the distributed-checkpoint (DCP) form, live tensors and no collectives. FSDP2
+entries are DTensors; a dedicated matrix (and its momentum) appears **only on its owner**, as a
+plain full tensor. DCP treats a plain tensor present on several ranks as replicated and saves
+whichever copy its deduplication picks (it silently saved a non-owner's placeholder when we
+tried), so the key must exist on the owner alone; a re-partitioned model (another world size)
+then loads each matrix on its new owner. The optimizer form is flattened like torchtitan's
+(``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``).
+
+Every key and shape is checked before anything is written; errors name the offending key.
 """
 
 from __future__ import annotations
@@ -62,67 +72,89 @@ def _shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return full
 
 
+# ---------------------------------------------------------------------- helpers
+def _load_into(key: str, target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy ``value`` into the live ``target`` (nothing to do when DCP loaded it in place)."""
+    if value is target:
+        return
+    if isinstance(target, DTensor):
+        if isinstance(value, DTensor):
+            if value.placements != target.placements:
+                value = value.full_tensor()
+            else:
+                target.to_local().copy_(value.to_local())
+                return
+        target.to_local().copy_(_shard_like(target, value).to_local())
+    else:
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if value.data_ptr() != target.data_ptr() or value.device != target.device:
+            target.copy_(value)
+
+
+def _check_keys(kind: str, expected: dict, given: dict, strict: bool) -> None:
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    if unexpected or (strict and missing):
+        raise ValueError(
+            f"{kind} state dict mismatch: missing keys {missing[:20]}, unexpected keys "
+            f"{unexpected[:20]}"
+        )
+
+
+def _check_shape(kind: str, key: str, value, shape: tuple[int, ...]) -> None:
+    if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"{kind} state dict key {key!r} has shape {tuple(value.shape)}, expected {tuple(shape)}"
+        )
+
+
 # ---------------------------------------------------------------------- model
-@torch.no_grad()
-def get_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full model state dict (parameters and persistent buffers) on every rank, on CPU."""
-    state = _state(model)
-    if state is not None:
-        wait_all_replicate_broadcasts(model)
-    dedicated = _dedicated_by_fqn(state)
-    result: dict[str, torch.Tensor] = {}
-    for name, value in model.state_dict().items():
+def _model_entries(model: nn.Module, full: bool):
+    """key -> (live tensor, DedicatedParam or None), the keys this rank's form holds."""
+    dedicated = _dedicated_by_fqn(_state(model))
+    entries = {}
+    for name, value in model.state_dict(keep_vars=True).items():
         key = clean_fqn(name)
         p = dedicated.get(key)
         if p is None:
+            entries[key] = (value, None)
+        elif full or p.is_owner:
+            entries[key] = (p.owned, p)
+    return entries
+
+
+@torch.no_grad()
+def get_model_state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor]:
+    """Model state dict (parameters and persistent buffers); see the module doc for ``full``."""
+    state = _state(model)
+    if state is not None:
+        wait_all_replicate_broadcasts(model)
+    result: dict[str, torch.Tensor] = {}
+    for key, (value, p) in _model_entries(model, full).items():
+        if not full:
+            result[key] = value.detach()
+        elif p is None:
             result[key] = _full(value)
         else:
             result[key] = _broadcast_from_owner(state, p, p.owned if p.is_owner else None)
     return result
 
 
-def _expected_model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    dedicated = _dedicated_by_fqn(_state(model))
-    shapes = {}
-    for name, value in model.state_dict().items():
-        key = clean_fqn(name)
-        shapes[key] = tuple(dedicated[key].shape) if key in dedicated else tuple(value.shape)
-    return shapes
-
-
 @torch.no_grad()
 def set_model_state_dict(
-    model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True
+    model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True, *, full: bool = True
 ) -> None:
-    """Load a full state dict (as from :func:`get_model_state_dict` or a single-device model)."""
-    expected = _expected_model_shapes(model)
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    if strict and (missing or unexpected):
-        raise ValueError(
-            f"model state dict mismatch: missing keys {missing}, unexpected keys {unexpected}"
-        )
-    for key, shape in expected.items():
-        if key in state_dict and tuple(state_dict[key].shape) != shape:
-            raise ValueError(
-                f"model state dict key {key!r} has shape {tuple(state_dict[key].shape)}, "
-                f"the model expects {shape}"
-            )
-    dedicated = _dedicated_by_fqn(_state(model))
-    for name, target in model.state_dict(keep_vars=True).items():
-        key = clean_fqn(name)
-        if key not in state_dict:
+    """Load a state dict of the given form (a full one may come from a single-device model)."""
+    entries = _model_entries(model, full)
+    _check_keys("model", entries, state_dict, strict)
+    for key, (target, p) in entries.items():
+        if key in state_dict:
+            _check_shape("model", key, state_dict[key], p.shape if p else target.shape)
+    for key, (target, p) in entries.items():
+        if key not in state_dict or (p is not None and not p.is_owner):
             continue
-        p = dedicated.get(key)
-        if p is not None:
-            if p.is_owner:
-                p.owned.copy_(state_dict[key])
-            continue
-        value = _shard_like(target, state_dict[key])
-        if isinstance(target, DTensor):
-            target.to_local().copy_(value.to_local())
-        else:
-            target.copy_(value)
+        _load_into(key, target.detach() if p is None else target, state_dict[key])
 
 
 # ---------------------------------------------------------------------- optimizer
@@ -144,10 +176,39 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
         raise ValueError("the optimizer was built for a different model")
 
 
+def _sharded_optimizer_entries(model: nn.Module, optimizer: Muon):
+    """Flattened key -> live value, and param-group key -> (group, hyper-parameter name)."""
+    optimizer.materialize_state()
+    fqns = _param_fqns(model)
+    state = _state(model)
+    dedicated = {id(p.owned): p for p in state.params} if state else {}
+    values: dict[str, Any] = {}
+    group_keys: dict[str, tuple[dict, str]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            fqn = fqns[id(p)]
+            d = dedicated.get(id(p))
+            if d is None or d.is_owner:
+                for k, v in optimizer.state[p].items():
+                    values[f"state.{fqn}.{k}"] = v
+            for k, v in group.items():
+                if k != "params":
+                    values[f"param_groups.{fqn}.{k}"] = v
+                    group_keys[f"param_groups.{fqn}.{k}"] = (group, k)
+    return values, group_keys
+
+
 @torch.no_grad()
-def get_optimizer_state_dict(model: nn.Module, optimizer: Muon) -> dict[str, Any]:
-    """``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``, full, on CPU."""
+def get_optimizer_state_dict(
+    model: nn.Module, optimizer: Muon, *, full: bool = True
+) -> dict[str, Any]:
+    """Optimizer state dict; see the module doc for ``full``.
+
+    Full form: ``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}`` on CPU.
+    """
     _check_optimizer(model, optimizer)
+    if not full:
+        return dict(_sharded_optimizer_entries(model, optimizer)[0])
     state = _state(model)
     fqns = _param_fqns(model)
     result_state: dict[str, dict[str, Any]] = {}
@@ -159,7 +220,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon) -> dict[str, Any
                 "params": [fqns[id(p)] for p in group["params"]],
             }
         )
-        if group["use_muon"]:
+        if group["use_muon"] and state is not None:
             continue
         for p in group["params"]:
             if p in optimizer.state:
@@ -184,9 +245,33 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon) -> dict[str, Any
 
 
 @torch.no_grad()
-def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: dict[str, Any]) -> None:
-    """Load a full optimizer state dict from :func:`get_optimizer_state_dict` (any world size)."""
+def set_optimizer_state_dict(
+    model: nn.Module, optimizer: Muon, state_dict: dict[str, Any], *, full: bool = True
+) -> None:
+    """Load an optimizer state dict of the given form (a full one from any world size)."""
     _check_optimizer(model, optimizer)
+    if not full:
+        _set_sharded_optimizer_state_dict(model, optimizer, state_dict)
+    else:
+        _set_full_optimizer_state_dict(model, optimizer, state_dict)
+
+
+def _set_sharded_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: dict) -> None:
+    values, group_keys = _sharded_optimizer_entries(model, optimizer)
+    _check_keys("optimizer", values, state_dict, strict=True)
+    for key, target in values.items():
+        if isinstance(target, torch.Tensor):
+            _check_shape("optimizer", key, state_dict[key], target.shape)
+    for key, target in values.items():
+        value = state_dict[key]
+        if key in group_keys:
+            group, name = group_keys[key]
+            group[name] = value
+        elif isinstance(target, torch.Tensor):
+            _load_into(key, target, value)
+
+
+def _set_full_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: dict) -> None:
     if set(state_dict) != {"state", "param_groups"}:
         raise ValueError(
             f"optimizer state dict must have keys 'state' and 'param_groups', got {sorted(state_dict)}"
@@ -233,7 +318,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: dict
             continue
         entry = {}
         for k, v in saved.items():
-            if k in ("exp_avg", "exp_avg_sq"):
+            if isinstance(v, torch.Tensor) and v.ndim > 0:  # shaped like the parameter
                 if tuple(v.shape) != tuple(p.shape):
                     raise ValueError(
                         f"optimizer state {fqn!r}.{k} has shape {tuple(v.shape)}, expected {tuple(p.shape)}"

@@ -176,3 +176,41 @@ def plan_mismatch(rank: int, world_size: int) -> str:
     except RuntimeError as err:
         return str(err)
     return "no error"
+
+
+def dcp_save(rank: int, world_size: int, cfg: RunConfig, path: str, at: int) -> dict:
+    """Train ``at`` steps, save the owner-only (DCP) form with torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = build_dmuon(cfg, world_size)
+    for step in range(at):
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    model_sd = dmuon.get_model_state_dict(model, full=False)
+    optim_sd = dmuon.get_optimizer_state_dict(model, optimizer, full=False)
+    state = model._dmuon_state
+    for p in state.params:  # each dedicated key lives on its owner only
+        assert (p.fqn in model_sd) == p.is_owner, p.fqn
+        assert (f"state.{p.fqn}.momentum_buffer" in optim_sd) == p.is_owner, p.fqn
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return {
+        "model": dmuon.get_model_state_dict(model),
+        "optim": dmuon.get_optimizer_state_dict(model, optimizer),
+    }
+
+
+def dcp_load(rank: int, world_size: int, cfg: RunConfig, path: str) -> dict:
+    """Fresh model and optimizer on another world size, load the DCP form in place."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = build_dmuon(cfg, world_size)
+    target = {
+        "model": dmuon.get_model_state_dict(model, full=False),
+        "optim": dmuon.get_optimizer_state_dict(model, optimizer, full=False),
+    }
+    dcp.load(target, checkpoint_id=path)
+    dmuon.set_model_state_dict(model, target["model"], full=False)
+    dmuon.set_optimizer_state_dict(model, optimizer, target["optim"], full=False)
+    return {
+        "model": dmuon.get_model_state_dict(model),
+        "optim": dmuon.get_optimizer_state_dict(model, optimizer),
+    }

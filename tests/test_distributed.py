@@ -8,6 +8,8 @@ from .dist_harness import run_ranks
 from .scenarios import (
     accounting_and_storage,
     clip_norm_first_step,
+    dcp_load,
+    dcp_save,
     mixed_precision,
     plan_mismatch,
     resume_load,
@@ -132,3 +134,19 @@ def test_reused_boundary_and_unused_matrix(world_size):
 def test_plans_that_differ_across_ranks_fail_everywhere():
     for message in run_ranks(plan_mismatch, 2, timeout=60):
         assert "plans differ across ranks" in message
+
+
+@pytest.mark.parametrize("save_on, load_on", [(3, 2), (2, 3)])
+def test_dcp_owner_only_checkpoint_reshards(tmp_path, save_on, load_on):
+    """torch.distributed.checkpoint with the owner-only form: what one world size saves,
+    another loads (new owners), bit for bit, weights and momentum."""
+    cfg = EXACT
+    saved = run_ranks(dcp_save, save_on, cfg, str(tmp_path), 3)[0]
+    loaded = run_ranks(dcp_load, load_on, cfg, str(tmp_path))[0]
+    assert saved["model"].keys() == loaded["model"].keys()
+    for k, v in saved["model"].items():
+        assert torch.equal(v, loaded["model"][k]), k
+    assert saved["optim"]["state"].keys() == loaded["optim"]["state"].keys()
+    for k, entry in saved["optim"]["state"].items():
+        for name, v in entry.items():
+            assert torch.equal(v, loaded["optim"]["state"][k][name]), (k, name)
