@@ -130,6 +130,7 @@ class BoundaryGroup:
         self.num_trainable = sum(1 for p in params if p.owned.requires_grad)
         self.unshard_state = UnshardState.FREED
         self._pending: list[Pending] = []
+        self.hook_handles: list = []  # forward hooks, on ``module`` or a wrapper of it
         # Per-step bookkeeping, reset at the end of every backward.
         self.forward_count = 0
         self.grads_ready: set[int] = set()

@@ -16,14 +16,26 @@ from .group import BoundaryGroup
 from .state import DMuonState
 
 
-def register_boundary_hooks(state: DMuonState, group: BoundaryGroup) -> list[RemovableHandle]:
+def register_boundary_hooks(
+    state: DMuonState, group: BoundaryGroup, module=None
+) -> list[RemovableHandle]:
+    """Hook ``group`` onto ``module`` (default: its boundary module), replacing earlier hooks.
+
+    A wrapper such as ``torch.compile``'s may take the hooks instead of the module it wraps,
+    so that they run outside the compiled region.
+    """
+
     def pre_forward(_module, _args):
         state.pre_forward(group)
 
     def post_forward(_module, _args, output):
         return state.post_forward(group, output)
 
-    return [
-        group.module.register_forward_pre_hook(pre_forward),
-        group.module.register_forward_hook(post_forward),
+    for handle in group.hook_handles:
+        handle.remove()
+    module = group.module if module is None else module
+    group.hook_handles = [
+        module.register_forward_pre_hook(pre_forward),
+        module.register_forward_hook(post_forward),
     ]
+    return group.hook_handles

@@ -1,0 +1,43 @@
+"""torchtitan's ``clip_grad_norm_`` (looked up through ``torchtitan.distributed.utils`` at
+call time), extended to models with dedicated matrices: the logged norm is the true global
+norm and clipping reaches the owned gradients."""
+
+from __future__ import annotations
+
+import functools
+
+import torchtitan.distributed.utils as dist_utils
+
+from ..clip import clip_grad_norm_ as dmuon_clip_grad_norm_
+from ..runtime.state import STATE_ATTR
+
+_stock = dist_utils.clip_grad_norm_
+
+
+def _dmuon_model_for(parameters, models):
+    ids = {id(p) for p in parameters}
+    for model in models:
+        state = getattr(model, STATE_ATTR)
+        if any(id(p.owned) in ids for p in state.params):
+            return model
+    return None
+
+
+@functools.wraps(_stock)
+def clip_grad_norm_(
+    parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, pp_mesh=None,
+    ep_enabled=False,
+):
+    from .converter import ACTIVE
+
+    parameters = list(parameters)
+    model = _dmuon_model_for(parameters, ACTIVE.get("models", []))
+    if model is None:
+        return _stock(
+            parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled
+        )
+    return dmuon_clip_grad_norm_(model, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def install_clip() -> None:
+    dist_utils.clip_grad_norm_ = clip_grad_norm_

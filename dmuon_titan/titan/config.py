@@ -1,0 +1,186 @@
+"""The ``[dmuon]`` TOML section, merged into torchtitan's JobConfig.
+
+Used as ``[job] custom_config_module = "dmuon_titan.titan.config"``. torchtitan merges the
+``JobConfig`` below into its own. Every value is validated when the section is built (TOML
+or command line); a bad value exits with one line naming the key.
+
+(No ``from __future__ import annotations`` here: torchtitan's merge needs real annotations.)
+"""
+
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+import torch
+
+from ..ns import ADJUST_LR_FNS, NS_COEFFICIENT_SETS
+
+
+class ConfigError(SystemExit):
+    """A bad configuration value: exits with its message, no traceback, on every rank."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"dmuon_titan config error: {message}")
+
+
+DEFAULT_PARAMS = [r"layers\.\d+\.(attention|feed_forward)\.[^.]+\.weight"]
+MODES = ("dedicated", "naive")
+HOOK_BOUNDARIES = ("block", "module")
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class DMuon:
+    mode: str = "dedicated"
+    """How Muon is distributed. "dedicated": each Muon matrix lives whole on one owner rank,
+    broadcast in forward, its gradient reduced to the owner, Newton-Schulz only there.
+    "naive": every parameter stays on FSDP2 and every rank all-gathers each matrix and runs
+    Newton-Schulz redundantly (same update rule; the reference and benchmark baseline)."""
+
+    params: list[str] = field(default_factory=lambda: list(DEFAULT_PARAMS))
+    """Regular expressions (Python ``re.fullmatch`` on the parameter FQN, wrapper segments such
+    as ``_checkpoint_wrapped_module`` removed) selecting the Muon matrices. Every pattern must
+    match at least one parameter, and every match must be 2-D. Default: the 2-D weights of the
+    attention and feed-forward modules of each transformer block; embeddings, output head and
+    norms stay on AdamW."""
+
+    hook_boundary: str = "block"
+    """Where a matrix's broadcast/reduce hooks live. "block": its transformer block
+    (``layers.N``), one coalesced collective per owner per block; "module": its own module."""
+
+    reshard_after_forward: bool = True
+    """True (Z3): free non-owned matrices after forward and re-broadcast them before backward.
+    False (Z2): keep them from forward until the block's backward (less traffic, more memory)."""
+
+    lr: float | None = None
+    """Muon learning rate. Default: [optimizer] lr, which with adjust_lr_fn = "match_rms_adamw"
+    gives Muon updates the RMS of AdamW's, so AdamW's tuned lr carries over."""
+
+    weight_decay: float | None = None
+    """Decoupled weight decay of the Muon matrices. Default: [optimizer] weight_decay."""
+
+    momentum: float = 0.95
+    """Momentum coefficient, in [0, 1)."""
+
+    nesterov: bool = True
+    """Use Nesterov momentum (torch.optim.Muon's default)."""
+
+    ns_steps: int = 5
+    """Newton-Schulz iterations, >= 1."""
+
+    ns_coefficients: str = "jordan"
+    """Named (a, b, c) schedule: "jordan" (3.4445, -4.7750, 2.0315) every iteration, or
+    "polar_express" (Amsel et al. 2025, per-iteration coefficients)."""
+
+    ns_dtype: str = "bfloat16"
+    """dtype the Newton-Schulz iterations run in: "bfloat16", "float32" or "float64"."""
+
+    ns_eps: float = 1e-7
+    """Floor of the Frobenius norm that normalizes the matrix before Newton-Schulz."""
+
+    adjust_lr_fn: str = "match_rms_adamw"
+    """Per-matrix lr scaling: "match_rms_adamw" (0.2*sqrt(max(rows, cols))) or "original"
+    (sqrt(max(1, rows/cols)))."""
+
+    small_param_numel: int = 65536
+    """Matrices with at most this many elements are packed per block onto one owner."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def torch_ns_dtype(self) -> torch.dtype:
+        return NS_DTYPES[self.ns_dtype]
+
+
+def _fail(key: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"[dmuon] {key} = {value!r}: {why}")
+
+
+def validate(cfg: DMuon) -> None:
+    """Check every field's type and range; raise ConfigError naming the first bad key."""
+
+    def number(key: str, low: float | None = None, low_open: bool = False, high_open=None):
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(key, value, "must be a number")
+        if low is not None and (value < low or (low_open and value == low)):
+            raise _fail(key, value, f"must be {'>' if low_open else '>='} {low}")
+        if high_open is not None and value >= high_open:
+            raise _fail(key, value, f"must be < {high_open}")
+
+    def choice(key: str, options) -> None:
+        value = getattr(cfg, key)
+        if value not in options:
+            raise _fail(key, value, f"must be one of {list(options)}")
+
+    def boolean(key: str) -> None:
+        if not isinstance(getattr(cfg, key), bool):
+            raise _fail(key, getattr(cfg, key), "must be true or false")
+
+    choice("mode", MODES)
+    choice("hook_boundary", HOOK_BOUNDARIES)
+    choice("ns_coefficients", NS_COEFFICIENT_SETS)
+    choice("ns_dtype", NS_DTYPES)
+    choice("adjust_lr_fn", [f for f in ADJUST_LR_FNS if f is not None])
+    boolean("reshard_after_forward")
+    boolean("nesterov")
+    number("momentum", 0.0, high_open=1.0)
+    number("ns_eps", 0.0, low_open=True)
+    for key in ("lr", "weight_decay"):
+        if getattr(cfg, key) is not None:
+            number(key, 0.0)
+    if isinstance(cfg.ns_steps, bool) or not isinstance(cfg.ns_steps, int) or not 1 <= cfg.ns_steps < 100:
+        raise _fail("ns_steps", cfg.ns_steps, "must be an integer in [1, 100)")
+    if isinstance(cfg.small_param_numel, bool) or not isinstance(cfg.small_param_numel, int) or cfg.small_param_numel < 0:
+        raise _fail("small_param_numel", cfg.small_param_numel, "must be an integer >= 0")
+    if not isinstance(cfg.params, list) or not cfg.params or not all(isinstance(p, str) for p in cfg.params):
+        raise _fail("params", cfg.params, "must be a non-empty list of regular expressions")
+    for pattern in cfg.params:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise _fail("params", pattern, f"is not a valid regular expression ({err})") from None
+
+
+@dataclass
+class JobConfig:
+    dmuon: DMuon = field(default_factory=DMuon)
+
+
+# ------------------------------------------------------------------ clean unknown-key errors
+def check_toml_keys(cls: type, data: dict, section: str = "") -> None:
+    """Unknown TOML sections or keys: one line naming them and the valid ones."""
+    if not is_dataclass(cls) or not isinstance(data, dict):
+        return
+    known = {f.name: f.type for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        where = f"[{section}]" if section else "the top level"
+        raise ConfigError(
+            f"unknown key(s) {unknown} in {where} of the TOML file; valid: {sorted(known)}"
+        )
+    for name, value in data.items():
+        check_toml_keys(known[name], value, f"{section}.{name}" if section else name)
+
+
+def _install_toml_key_check() -> None:
+    """torchtitan raises a bare ValueError with a traceback on every rank for an unknown
+    TOML key; check first and exit with one line instead. Installed when torchtitan imports
+    this module (before it reads the TOML sections)."""
+    from torchtitan.config.manager import ConfigManager
+
+    original = ConfigManager._dict_to_dataclass
+    if getattr(original, "_dmuon_checked", False):
+        return
+
+    def _dict_to_dataclass(self, cls, data):
+        if is_dataclass(cls) and "job" in {f.name for f in fields(cls)}:
+            check_toml_keys(cls, data)
+        return original(self, cls, data)
+
+    _dict_to_dataclass._dmuon_checked = True
+    ConfigManager._dict_to_dataclass = _dict_to_dataclass
+
+
+_install_toml_key_check()

@@ -1,0 +1,129 @@
+"""The ``dmuon`` model converter: dedicates the Muon matrices on the meta model.
+
+torchtitan runs converters after building the model on the meta device and before
+``parallelize_fn`` (so before ``fully_shard``), which is exactly where ``dedicate_params`` must
+run. The converter also checks, at start-up, that the rest of the job can work with DMuon.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from torchtitan.tools.logging import logger
+
+from ..api import clean_fqn, dedicate_params
+from .config import ConfigError
+
+#: The job being trained in this process (the optimizer builder only receives [optimizer]).
+ACTIVE: dict[str, object] = {}
+
+
+def check_compatibility(job_config, parallel_dims) -> None:
+    """Reject what DMuon does not support yet, naming the TOML key."""
+    cfg = job_config.dmuon
+    if job_config.optimizer.name != "DMuon":
+        raise ConfigError(
+            f'[model] converters includes "dmuon" but [optimizer] name = '
+            f'{job_config.optimizer.name!r}; set [optimizer] name = "DMuon"'
+        )
+    p = job_config.parallelism
+    unsupported = {
+        "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
+        "parallelism.pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "parallelism.context_parallel_degree": p.context_parallel_degree,
+        "parallelism.expert_parallel_degree": p.expert_parallel_degree,
+        "parallelism.data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+    }
+    for key, value in unsupported.items():
+        if value not in (1, None):
+            raise ConfigError(f"{key} = {value}: not supported with DMuon (only data-parallel FSDP)")
+    if cfg.mode == "dedicated":
+        quantizers = [c for c in job_config.model.converters if c.startswith("quantize.")]
+        if quantizers:
+            raise ConfigError(
+                f"model.converters = {job_config.model.converters}: {quantizers} would convert "
+                "the dedicated matrices (float8/mx on dedicated params is not supported)"
+            )
+    if job_config.training.enable_cpu_offload:
+        raise ConfigError("training.enable_cpu_offload = true: not supported with DMuon")
+    if job_config.optimizer.early_step_in_backward:
+        raise ConfigError("optimizer.early_step_in_backward = true: not supported with DMuon")
+
+
+def param_predicate(patterns: list[str], model: nn.Module):
+    """``(fqn, param) -> bool`` from the ``[dmuon] params`` regexes, after checking that each
+    pattern matches something and every match is 2-D."""
+    compiled = [re.compile(p) for p in patterns]
+    names = [(clean_fqn(n), p) for n, p in model.named_parameters()]
+    for pattern, regex in zip(patterns, compiled, strict=True):
+        hits = [(n, p) for n, p in names if regex.fullmatch(n)]
+        if not hits:
+            raise ConfigError(
+                f"[dmuon] params pattern {pattern!r} matches no parameter of the model "
+                f"(names look like {names[0][0]!r}, ...)"
+            )
+        for n, p in hits:
+            if p.ndim != 2:
+                raise ConfigError(
+                    f"[dmuon] params pattern {pattern!r} matches {n!r} of shape "
+                    f"{tuple(p.shape)}; Muon needs 2-D matrices"
+                )
+
+    def predicate(name: str, param: torch.Tensor) -> bool:
+        name = clean_fqn(name)
+        return any(r.fullmatch(name) for r in compiled)
+
+    return predicate
+
+
+def dp_mesh(parallel_dims):
+    """The 1-D data-parallel (FSDP) mesh; a one-rank mesh when there is no data parallelism."""
+    mesh = parallel_dims.get_optional_mesh("fsdp")
+    if mesh is not None:
+        return mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.tools import utils
+
+    return init_device_mesh(utils.device_type, (1,), mesh_dim_names=("fsdp",))
+
+
+class DMuonConverter:
+    """``[model] converters = ["dmuon"]``."""
+
+    def __init__(self, job_config, parallel_dims) -> None:
+        check_compatibility(job_config, parallel_dims)
+        self.job_config = job_config
+        self.parallel_dims = parallel_dims
+        ACTIVE["job_config"] = job_config
+
+    def convert(self, model: nn.Module) -> None:
+        cfg = self.job_config.dmuon
+        predicate = param_predicate(cfg.params, model)
+        ACTIVE["predicate"] = predicate
+        if cfg.mode == "naive":
+            logger.info("DMuon naive mode: every parameter stays on FSDP2")
+            return
+        boundary = (lambda m: True) if cfg.hook_boundary == "module" else None
+        summary = dedicate_params(
+            model,
+            dp_mesh(self.parallel_dims),
+            predicate,
+            hook_boundary_predicate=boundary,
+            reshard_after_forward=cfg.reshard_after_forward,
+            small_param_numel=cfg.small_param_numel,
+        )
+        ACTIVE.setdefault("models", []).append(model)
+        loads = summary["ns_flops_per_rank"]
+        logger.info(
+            f"DMuon: {summary['num_params']} matrices on {summary['world_size']} ranks, "
+            f"{len(summary['boundaries'])} hook boundaries, NS GFLOP per rank "
+            f"{[round(x / 1e9, 1) for x in loads]} (imbalance {summary['imbalance']:.3f}), "
+            f"{summary['bytes_per_rank_per_step']['total'] / 2**20:.1f} MiB per rank per step "
+            f"({'Z3' if cfg.reshard_after_forward else 'Z2'})"
+        )
+
+    def post_optimizer_hook(self, model) -> None:
+        pass

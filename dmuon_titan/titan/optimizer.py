@@ -1,0 +1,95 @@
+"""``[optimizer] name = "DMuon"``: a torchtitan OptimizersContainer around dmuon's optimizer.
+
+Muon's hyper-parameters come from ``[dmuon]`` (defaults derived from ``[optimizer]``), the
+AdamW part from ``[optimizer]``; torchtitan's LR scheduler scales both parameter groups.
+Checkpoints use the owner-only form (see ``dmuon_titan.state_dict``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchtitan.components import optimizer as titan_optimizer
+from torchtitan.components.optimizer import OptimizersContainer
+
+from ..muon import Muon
+from ..naive import NaiveMuon
+from ..state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from .config import ConfigError
+
+_stock_build_optimizers = titan_optimizer.build_optimizers
+
+
+def muon_kwargs(optimizer_config, dmuon_config) -> dict[str, Any]:
+    impl = optimizer_config.implementation
+    return {
+        "lr": optimizer_config.lr if dmuon_config.lr is None else dmuon_config.lr,
+        "momentum": dmuon_config.momentum,
+        "nesterov": dmuon_config.nesterov,
+        "ns_coefficients": dmuon_config.ns_coefficients,
+        "ns_steps": dmuon_config.ns_steps,
+        "eps": dmuon_config.ns_eps,
+        "weight_decay": (
+            optimizer_config.weight_decay
+            if dmuon_config.weight_decay is None
+            else dmuon_config.weight_decay
+        ),
+        "adjust_lr_fn": dmuon_config.adjust_lr_fn,
+        "ns_dtype": dmuon_config.torch_ns_dtype,
+        "adamw_lr": optimizer_config.lr,
+        "adamw_betas": (optimizer_config.beta1, optimizer_config.beta2),
+        "adamw_eps": optimizer_config.eps,
+        "adamw_weight_decay": optimizer_config.weight_decay,
+        "adamw_foreach": impl == "foreach",
+        "adamw_fused": impl == "fused",
+    }
+
+
+class DMuonOptimizersContainer(OptimizersContainer):
+    """One :class:`dmuon_titan.Muon` (or the naive baseline) per model part."""
+
+    def __init__(self, model_parts, optimizer_config, dmuon_config, predicate) -> None:
+        kwargs = muon_kwargs(optimizer_config, dmuon_config)
+        self.model_parts = model_parts
+        if dmuon_config.mode == "naive":
+            self.optimizers = [NaiveMuon(m, predicate, **kwargs) for m in model_parts]
+        else:
+            self.optimizers = [Muon(m, **kwargs) for m in model_parts]
+        self._validate_length(len(model_parts))
+        all_params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+        self._post_init(all_params, {"lr": kwargs["lr"]})
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for model, opt in zip(self.model_parts, self.optimizers, strict=True):
+            out.update(get_optimizer_state_dict(model, opt, full=False))
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for model, opt in zip(self.model_parts, self.optimizers, strict=True):
+            set_optimizer_state_dict(model, opt, state_dict, full=False)
+
+    def step_timings(self) -> dict[str, float]:
+        """Milliseconds per phase of the last step, summed over model parts (syncs on CUDA)."""
+        total: dict[str, float] = {}
+        for opt in self.optimizers:
+            for phase, ms in opt.step_timings().items():
+                total[phase] = total.get(phase, 0.0) + ms
+        return total
+
+
+def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None):
+    """torchtitan's ``build_optimizers_fn``: DMuon for ``name = "DMuon"``, stock otherwise."""
+    from .converter import ACTIVE
+
+    if optimizer_config.name != "DMuon":
+        return _stock_build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+    if "job_config" not in ACTIVE:
+        raise ConfigError(
+            '[optimizer] name = "DMuon" needs [model] converters = ["dmuon"] (the converter '
+            "dedicates the Muon matrices before parallelization)"
+        )
+    job_config = ACTIVE["job_config"]
+    return DMuonOptimizersContainer(
+        model_parts, optimizer_config, job_config.dmuon, ACTIVE.get("predicate")
+    )

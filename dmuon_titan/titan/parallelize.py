@@ -1,0 +1,61 @@
+"""Wrap a model's ``parallelize_fn`` with what DMuon and CPU runs need after FSDP is applied.
+
+- gloo (CPU) lacks ``PREMUL_SUM``, which torchtitan's FSDP settings select: force plain sums.
+- torchtitan normalizes the loss by the global token count and sets FSDP's gradient divide
+  factor to 1 (sum); dedicated gradients must be summed the same way.
+- ``torch.compile`` of a block with ``fullgraph=True`` would trace DMuon's hooks: move them to
+  the compiled wrapper, outside the compiled region (FSDP2's hooks live outside it too).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from ..api import set_gradient_divide_factor
+from ..runtime.hooks import register_boundary_hooks
+from ..runtime.state import STATE_ATTR
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    for attr in ("_orig_mod", "_checkpoint_wrapped_module"):
+        inner = getattr(module, attr, None)
+        if isinstance(inner, nn.Module):
+            return _unwrap(inner)
+    return module
+
+
+def move_hooks_outside_compile(model: nn.Module) -> int:
+    """Re-register boundary hooks on ``torch.compile`` wrappers; returns how many moved."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        return 0
+    compiled = {
+        _unwrap(m): m for m in model.modules() if type(m).__name__ == "OptimizedModule"
+    }
+    moved = 0
+    for group in state.groups:
+        wrapper = compiled.get(group.module)
+        if wrapper is not None:
+            register_boundary_hooks(state, group, wrapper)
+            moved += 1
+    return moved
+
+
+def wrap_parallelize(parallelize_fn):
+    @functools.wraps(parallelize_fn)
+    def parallelize(model, parallel_dims, job_config):
+        model = parallelize_fn(model, parallel_dims, job_config)
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_force_sum_reduction_for_comms(True)
+        if getattr(model, STATE_ATTR, None) is not None:
+            set_gradient_divide_factor(model, 1.0)
+            move_hooks_outside_compile(model)
+        return model
+
+    return parallelize
