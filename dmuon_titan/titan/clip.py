@@ -25,7 +25,12 @@ def _dmuon_model_for(parameters, models):
 
 @functools.wraps(_stock)
 def clip_grad_norm_(
-    parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, pp_mesh=None,
+    parameters,
+    max_norm,
+    norm_type=2.0,
+    error_if_nonfinite=False,
+    foreach=None,
+    pp_mesh=None,
     ep_enabled=False,
 ):
     from .converter import ACTIVE

@@ -130,11 +130,23 @@ def validate(cfg: DMuon) -> None:
     for key in ("lr", "weight_decay"):
         if getattr(cfg, key) is not None:
             number(key, 0.0)
-    if isinstance(cfg.ns_steps, bool) or not isinstance(cfg.ns_steps, int) or not 1 <= cfg.ns_steps < 100:
+    if (
+        isinstance(cfg.ns_steps, bool)
+        or not isinstance(cfg.ns_steps, int)
+        or not 1 <= cfg.ns_steps < 100
+    ):
         raise _fail("ns_steps", cfg.ns_steps, "must be an integer in [1, 100)")
-    if isinstance(cfg.small_param_numel, bool) or not isinstance(cfg.small_param_numel, int) or cfg.small_param_numel < 0:
+    if (
+        isinstance(cfg.small_param_numel, bool)
+        or not isinstance(cfg.small_param_numel, int)
+        or cfg.small_param_numel < 0
+    ):
         raise _fail("small_param_numel", cfg.small_param_numel, "must be an integer >= 0")
-    if not isinstance(cfg.params, list) or not cfg.params or not all(isinstance(p, str) for p in cfg.params):
+    if (
+        not isinstance(cfg.params, list)
+        or not cfg.params
+        or not all(isinstance(p, str) for p in cfg.params)
+    ):
         raise _fail("params", cfg.params, "must be a non-empty list of regular expressions")
     for pattern in cfg.params:
         try:

@@ -38,7 +38,9 @@ def check_compatibility(job_config, parallel_dims) -> None:
     }
     for key, value in unsupported.items():
         if value not in (1, None):
-            raise ConfigError(f"{key} = {value}: not supported with DMuon (only data-parallel FSDP)")
+            raise ConfigError(
+                f"{key} = {value}: not supported with DMuon (only data-parallel FSDP)"
+            )
     if cfg.mode == "dedicated":
         quantizers = [c for c in job_config.model.converters if c.startswith("quantize.")]
         if quantizers:
@@ -84,7 +86,6 @@ def dp_mesh(parallel_dims):
     if mesh is not None:
         return mesh
     from torch.distributed.device_mesh import init_device_mesh
-
     from torchtitan.tools import utils
 
     return init_device_mesh(utils.device_type, (1,), mesh_dim_names=("fsdp",))

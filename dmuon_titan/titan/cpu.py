@@ -49,7 +49,9 @@ class CpuDeviceModule:
         return platform.processor() or platform.machine() or "CPU"
 
     def get_device_properties(self, device=None):
-        return SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        return SimpleNamespace(
+            total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        )
 
     def memory_stats(self, device=None) -> dict[str, int]:
         # Peak resident memory of this process (Linux reports KiB, macOS bytes).

@@ -51,7 +51,9 @@ def read_texts(split: str, root: Path | None = None) -> list[str]:
     return texts
 
 
-def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 2048, max_chars: int = 8_000_000) -> Path:
+def build_tokenizer(
+    out_dir: str | os.PathLike, vocab_size: int = 2048, max_chars: int = 8_000_000
+) -> Path:
     """Train a byte-level BPE on the training split and save it as a torchtitan asset dir
     (``tokenizer.json`` + ``tokenizer_config.json``). Returns the directory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

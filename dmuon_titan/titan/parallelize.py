@@ -33,9 +33,7 @@ def move_hooks_outside_compile(model: nn.Module) -> int:
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         return 0
-    compiled = {
-        _unwrap(m): m for m in model.modules() if type(m).__name__ == "OptimizedModule"
-    }
+    compiled = {_unwrap(m): m for m in model.modules() if type(m).__name__ == "OptimizedModule"}
     moved = 0
     for group in state.groups:
         wrapper = compiled.get(group.module)
