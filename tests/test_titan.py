@@ -169,3 +169,139 @@ def test_toy_dmuon_trains_checkpoints_and_resumes(tokenizer_dir, tmp_path):
     )
     lc = tb_losses(c)
     assert sorted(lc) == [11, 12] and all(v == v and v < 10 for v in lc.values()), lc
+
+
+def test_dmuon_equals_the_naive_path_inside_torchtitan(tokenizer_dir, tmp_path):
+    """Same seed checkpoint, fp32 params and NS, 2 ranks: DMuon's loss trajectory equals the
+    naive path's (every param on FSDP2, all-gather + NS on every rank) within 1e-5 per step."""
+    seed = tmp_path / "seed"
+    run_ok(
+        1,
+        "--job.config_file",
+        str(REPO / "configs" / "toy_adamw.toml"),
+        "--job.dump_folder",
+        str(seed),
+        "--model.hf_assets_path",
+        str(tokenizer_dir),
+        "--debug.seed",
+        "7",
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+    )
+    losses = {}
+    for mode in ("dedicated", "naive"):
+        dump = tmp_path / mode
+        run_ok(
+            2,
+            *toy_args(
+                tokenizer_dir,
+                dump,
+                "--training.steps",
+                "10",
+                "--dmuon.mode",
+                mode,
+                "--dmuon.ns_dtype",
+                "float32",
+                "--validation.freq",
+                "100",
+                "--checkpoint.enable",
+                "--checkpoint.interval",
+                "1000",
+                "--checkpoint.initial_load_path",
+                str(seed / "checkpoint" / "step-0"),
+            ),
+        )
+        losses[mode] = tb_losses(dump)
+    assert sorted(losses["dedicated"]) == list(range(1, 11))
+    worst = max(abs(losses["dedicated"][s] - losses["naive"][s]) for s in range(1, 11))
+    print(f"largest per-step loss difference, DMuon vs naive: {worst:.2e}")
+    for step in range(1, 11):
+        d, n = losses["dedicated"][step], losses["naive"][step]
+        assert abs(d - n) <= 1e-5, (step, d, n)
+    assert losses["dedicated"][10] < losses["dedicated"][1]
+
+
+# ------------------------------------------------------------------ invalid configurations
+BAD_VALUES = [
+    (["--dmuon.ns_steps", "0"], "[dmuon] ns_steps"),
+    (["--dmuon.ns_steps", "100"], "[dmuon] ns_steps"),
+    (["--dmuon.ns_coefficients", "cubic"], "[dmuon] ns_coefficients"),
+    (["--dmuon.ns_dtype", "float8"], "[dmuon] ns_dtype"),
+    (["--dmuon.momentum", "1.0"], "[dmuon] momentum"),
+    (["--dmuon.momentum", "-0.1"], "[dmuon] momentum"),
+    (["--dmuon.adjust_lr_fn", "rms"], "[dmuon] adjust_lr_fn"),
+    (["--dmuon.mode", "fast"], "[dmuon] mode"),
+    (["--dmuon.hook_boundary", "layer"], "[dmuon] hook_boundary"),
+    (["--dmuon.params", "(("], "[dmuon] params"),
+    (["--dmuon.lr", "-1"], "[dmuon] lr"),
+    (["--dmuon.weight_decay", "-0.5"], "[dmuon] weight_decay"),
+    (["--dmuon.ns_eps", "0"], "[dmuon] ns_eps"),
+    (["--dmuon.small_param_numel", "-1"], "[dmuon] small_param_numel"),
+]
+
+
+@pytest.mark.parametrize("override, key", BAD_VALUES, ids=[k for _, k in BAD_VALUES])
+def test_bad_dmuon_value_is_named_at_parse_time(override, key):
+    from torchtitan.config import ConfigManager
+
+    with pytest.raises(SystemExit) as err:
+        ConfigManager().parse_args(["--job.config_file", str(TOY), *override])
+    assert key in str(err.value)
+
+
+def test_bad_toml_values_and_keys_are_named(tmp_path):
+    from torchtitan.config import ConfigManager
+
+    cases = [
+        ("[dmuon]\nns_step = 3\n", "ns_step"),
+        ("[dmuon]\nns_steps = 'five'\n", "[dmuon] ns_steps"),
+        ("[dmuon]\nparams = 'layers'\n", "[dmuon] params"),
+        ("[dmuon]\nnesterov = 1\n", "[dmuon] nesterov"),
+        ("[muon]\nlr = 1\n", "muon"),
+    ]
+    base = TOY.read_text().split("\n[dmuon]")[0] + "\n"
+    for i, (section, key) in enumerate(cases):
+        path = tmp_path / f"bad{i}.toml"
+        path.write_text(base + section)
+        with pytest.raises(SystemExit) as err:
+            ConfigManager().parse_args(["--job.config_file", str(path)])
+        assert key in str(err.value), (section, str(err.value))
+
+
+@pytest.mark.parametrize(
+    "config, override, key",
+    [
+        ("toy_dmuon.toml", ["--dmuon.params", "layers\\.\\d+\\.moe\\..*"], "matches no parameter"),
+        ("toy_dmuon.toml", ["--dmuon.params", "layers\\.\\d+\\.attention_norm\\.weight"], "2-D"),
+        (
+            "toy_dmuon.toml",
+            ["--parallelism.tensor_parallel_degree", "2"],
+            "parallelism.tensor_parallel_degree",
+        ),
+        ("toy_dmuon.toml", ["--optimizer.name", "AdamW"], "[optimizer] name"),
+        ("toy_adamw.toml", ["--optimizer.name", "DMuon"], "converters"),
+        ("toy_dmuon.toml", ["--dmuon.ns_steps", "0"], "[dmuon] ns_steps"),
+    ],
+    ids=[
+        "no-match",
+        "not-2d",
+        "tp2",
+        "converter-without-dmuon",
+        "dmuon-without-converter",
+        "ns_steps",
+    ],
+)
+def test_bad_config_exits_cleanly_under_torchrun(tokenizer_dir, tmp_path, config, override, key):
+    args = [
+        "--job.config_file",
+        str(REPO / "configs" / config),
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+        "--model.hf_assets_path",
+        str(tokenizer_dir),
+        *override,
+    ]
+    rc, out = torchrun(2, *args, timeout=300)
+    assert rc != 0
+    assert "dmuon_titan config error" in out and key in out, out[-3000:]
+    assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out
