@@ -9,6 +9,7 @@ install_fully_shard_patch()
 
 from .api import (  # noqa: E402
     dedicate_params,
+    move_hooks_outside_compile,
     no_sync,
     set_gradient_divide_factor,
     summarize_plan,
@@ -31,6 +32,7 @@ __all__ = [
     "dedicate_params",
     "get_model_state_dict",
     "get_optimizer_state_dict",
+    "move_hooks_outside_compile",
     "no_sync",
     "set_model_state_dict",
     "set_gradient_divide_factor",

@@ -222,20 +222,59 @@ def set_gradient_divide_factor(model: nn.Module, factor: float) -> None:
     get_state(model).gradient_divide_factor = float(factor)
 
 
+def _unwrap(module: nn.Module) -> nn.Module:
+    for attr in ("_orig_mod", "_checkpoint_wrapped_module"):
+        inner = module._modules.get(attr)
+        if inner is not None:
+            return _unwrap(inner)
+    return module
+
+
+def move_hooks_outside_compile(model: nn.Module) -> int:
+    """Move DMuon's hooks from compiled blocks to their ``torch.compile`` wrappers.
+
+    Call it after compiling blocks (``torch.compile(block, fullgraph=True)``, possibly around an
+    activation-checkpoint wrapper) and before the first forward: the hooks issue collectives
+    and swap parameters, so they must run outside the compiled region, like FSDP2's. Returns
+    the number of boundaries whose hooks moved. (The torchtitan plugin calls it for you.)
+    """
+    from torch._dynamo.eval_frame import OptimizedModule  # fully_shard subclasses it
+
+    state = get_state(model)
+    compiled = {_unwrap(m): m for m in model.modules() if isinstance(m, OptimizedModule)}
+    moved = 0
+    for group in state.groups:
+        wrapper = compiled.get(group.module)
+        if wrapper is not None:
+            register_boundary_hooks(state, group, wrapper)
+            moved += 1
+    return moved
+
+
 def wait_all_replicate_broadcasts(model: nn.Module) -> None:
     """Drain asynchronous replica broadcasts (HSDP). Without a replicate mesh there are none."""
     get_state(model)
 
 
-def summarize_plan(model: nn.Module) -> dict[str, Any]:
-    """JSON-friendly description of who owns what and what it costs, per step."""
+def summarize_plan(
+    model: nn.Module,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> dict[str, Any]:
+    """JSON-friendly description of who owns what and what it costs, per step.
+
+    Bytes use the compute/reduce dtypes resolved at the first forward (from the FSDP2
+    mixed-precision policy); before that, pass them to get the figures of the coming run.
+    """
     state = get_state(model)
     state.adopt_registered()
     plan = state.plan
     n = state.world_size
     loads = plan.load_per_rank()
-    param_bytes = sum(p.numel * p.param_dtype.itemsize for p in state.params)
-    reduce_bytes = sum(p.numel * p.reduce_dtype.itemsize for p in state.params)
+    param_bytes = sum(p.numel * (param_dtype or p.param_dtype).itemsize for p in state.params)
+    reduce_bytes = sum(
+        p.numel * (reduce_dtype or param_dtype or p.reduce_dtype).itemsize for p in state.params
+    )
     share = (n - 1) / n
     per_step = {
         "forward_broadcast": param_bytes * share,

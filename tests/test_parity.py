@@ -43,6 +43,12 @@ CASES = [
     ),
     ("z3+packed", with_(EXACT, small_param_numel=1 << 16), "float64", 1e-10),
     ("z3+clip", with_(EXACT, max_norm=0.5), "float64", 1e-10),
+    (
+        "z3+ac+compile",
+        with_(EXACT, activation_checkpointing=True, compile_backend="aot_eager"),
+        "float64",
+        1e-10,
+    ),
     ("ns_float32", with_(EXACT, ns_dtype=torch.float32), "float64", 1e-5),
     ("fp32", RunConfig(ns_dtype=torch.float32), "float32", 1e-5),
     ("bf16_default", RunConfig(ns_dtype=torch.bfloat16), "torch", None),  # measured below

@@ -86,8 +86,11 @@ class ToyTransformer(nn.Module):
                 if p.numel() == 0:  # a dedicated placeholder: the owner initializes it
                     continue
                 # One generator per name: values do not depend on which rank owns what.
-                # (Wrapper segments such as activation checkpointing's are not part of the name.)
-                full = init_value(name.replace("_checkpoint_wrapped_module.", ""), p.shape, seed)
+                # (Wrapper segments, from activation checkpointing or torch.compile, are not
+                # part of the name.)
+                for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+                    name = name.replace(wrapper, "")
+                full = init_value(name, p.shape, seed)
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.copy_(_local_piece(p, full).to(local.dtype))
 

@@ -44,6 +44,7 @@ class RunConfig:
     model: str = "toy"  # a key of MODELS
     meta_init: bool = True
     device: str = "cpu"
+    compile_backend: str | None = None  # torch.compile each block (fullgraph) with this backend
 
 
 def batch(cfg: RunConfig, step: int) -> torch.Tensor:
@@ -138,6 +139,10 @@ def build_dmuon(cfg: RunConfig, world_size: int):
 
         for i, layer in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    if cfg.compile_backend is not None:
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer, backend=cfg.compile_backend, fullgraph=True)
+        assert dmuon.move_hooks_outside_compile(model) == len(model.layers)
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if cfg.mixed_precision

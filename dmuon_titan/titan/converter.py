@@ -11,9 +11,10 @@ import re
 
 import torch
 from torch import nn
+from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
-from ..api import clean_fqn, dedicate_params
+from ..api import clean_fqn, dedicate_params, summarize_plan
 from .config import ConfigError
 
 #: The job being trained in this process (the optimizer builder only receives [optimizer]).
@@ -108,13 +109,19 @@ class DMuonConverter:
             logger.info("DMuon naive mode: every parameter stays on FSDP2")
             return
         boundary = (lambda m: True) if cfg.hook_boundary == "module" else None
-        summary = dedicate_params(
+        dedicate_params(
             model,
             dp_mesh(self.parallel_dims),
             predicate,
             hook_boundary_predicate=boundary,
             reshard_after_forward=cfg.reshard_after_forward,
             small_param_numel=cfg.small_param_numel,
+        )
+        training = self.job_config.training
+        summary = summarize_plan(
+            model,
+            TORCH_DTYPE_MAP[training.mixed_precision_param],
+            TORCH_DTYPE_MAP[training.mixed_precision_reduce],
         )
         ACTIVE.setdefault("models", []).append(model)
         loads = summary["ns_flops_per_rank"]

@@ -12,35 +12,10 @@ from __future__ import annotations
 import functools
 
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from ..api import set_gradient_divide_factor
-from ..runtime.hooks import register_boundary_hooks
+from ..api import move_hooks_outside_compile, set_gradient_divide_factor
 from ..runtime.state import STATE_ATTR
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    for attr in ("_orig_mod", "_checkpoint_wrapped_module"):
-        inner = getattr(module, attr, None)
-        if isinstance(inner, nn.Module):
-            return _unwrap(inner)
-    return module
-
-
-def move_hooks_outside_compile(model: nn.Module) -> int:
-    """Re-register boundary hooks on ``torch.compile`` wrappers; returns how many moved."""
-    state = getattr(model, STATE_ATTR, None)
-    if state is None:
-        return 0
-    compiled = {_unwrap(m): m for m in model.modules() if type(m).__name__ == "OptimizedModule"}
-    moved = 0
-    for group in state.groups:
-        wrapper = compiled.get(group.module)
-        if wrapper is not None:
-            register_boundary_hooks(state, group, wrapper)
-            moved += 1
-    return moved
 
 
 def wrap_parallelize(parallelize_fn):

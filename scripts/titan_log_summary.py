@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Summarize torchtitan training logs: median step time, tok/s per device, peak memory and,
+for DMuon runs, optimizer and Newton-Schulz milliseconds. Prints one table (markdown) with the
+first log as the baseline of the ratio column.
+
+    python3 scripts/titan_log_summary.py --seq-len 8192 --batch 2 adamw.log dmuon.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+DMUON = re.compile(r"dmuon step:\s*(\d+)\s+optimizer:\s*([\d.]+)ms\s+ns:\s*([\d.]+)ms")
+
+
+def summarize(path: str, skip: int, tokens_per_step: int) -> dict:
+    tps, mem, opt, ns, loss = [], [], [], [], {}
+    for line in open(path, errors="replace"):
+        line = ANSI.sub("", line)
+        if "validate" in line:
+            continue
+        if m := STEP.search(line):
+            step = int(m.group(1))
+            loss[step] = float(m.group(2))
+            mem.append(float(m.group(3)))
+            if step > skip:
+                tps.append(float(m.group(4).replace(",", "")))
+        elif (m := DMUON.search(line)) and int(m.group(1)) > skip:
+            opt.append(float(m.group(2)))
+            ns.append(float(m.group(3)))
+    if not tps:
+        raise SystemExit(f"{path}: no training steps after step {skip} found")
+    med_tps = statistics.median(tps)
+    return {
+        "log": path,
+        "steps": max(loss),
+        "step_s": tokens_per_step / med_tps,
+        "tps": med_tps,
+        "peak_gib": max(mem),
+        "optimizer_ms": statistics.median(opt) if opt else None,
+        "ns_ms": statistics.median(ns) if ns else None,
+        "final_loss": loss[max(loss)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("logs", nargs="+")
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--batch", type=int, required=True, help="local batch size")
+    parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out")
+    args = parser.parse_args()
+    rows = [summarize(p, args.skip, args.seq_len * args.batch) for p in args.logs]
+    base = rows[0]["step_s"]
+    print(
+        "| run | steps | step time (s) | tok/s/device | peak mem (GiB) | optimizer (ms) | NS (ms) | step time / first |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+        print(
+            f"| {r['log']} | {r['steps']} | {r['step_s']:.3f} | {r['tps']:,.0f} | {r['peak_gib']:.1f} "
+            f"| {fmt(r['optimizer_ms'])} | {fmt(r['ns_ms'])} | {r['step_s'] / base:.3f} |"
+        )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
