@@ -20,7 +20,17 @@ GPU_CASES = [
     c
     for c in CASES
     if c[0]
-    in ("z3", "z2", "z3+ac", "z2+ac+no_sync", "z3+clip", "ns_float32", "fp32", "bf16_default")
+    in (
+        "z3",
+        "z2",
+        "z3+ac",
+        "z2+ac+no_sync",
+        "z3+clip",
+        "z3+ac+compile",
+        "ns_float32",
+        "fp32",
+        "bf16_default",
+    )
 ]
 
 
