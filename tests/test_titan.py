@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-pytest.importorskip("torchtitan")
+import torchtitan  # noqa: F401  (a dependency: a failed import must fail, not skip)
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "configs" / "toy_dmuon.toml"
