@@ -61,17 +61,21 @@ def toy_args(tokenizer_dir, dump: Path, *extra: str) -> list[str]:
     ]
 
 
-def tb_losses(dump: Path) -> dict[int, float]:
+def tb_scalars(dump: Path, tag: str) -> dict[int, float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    losses: dict[int, float] = {}
+    values: dict[int, float] = {}
     for events in sorted((dump / "tb").rglob("events.out.tfevents.*")):
         acc = EventAccumulator(str(events))
         acc.Reload()
-        if "loss_metrics/global_avg_loss" in acc.Tags()["scalars"]:
-            for e in acc.Scalars("loss_metrics/global_avg_loss"):
-                losses[e.step] = e.value
-    return losses
+        if tag in acc.Tags()["scalars"]:
+            for e in acc.Scalars(tag):
+                values[e.step] = e.value
+    return values
+
+
+def tb_losses(dump: Path) -> dict[int, float]:
+    return tb_scalars(dump, "loss_metrics/global_avg_loss")
 
 
 def read_checkpoint(path: Path, tmp: Path) -> dict:
@@ -103,7 +107,12 @@ def test_toy_dmuon_trains_checkpoints_and_resumes(tokenizer_dir, tmp_path):
         "10",
     ]
     a, b = tmp_path / "a", tmp_path / "b"
-    run_ok(2, *toy_args(tokenizer_dir, a, *common, "--training.steps", "20"))
+    out = run_ok(2, *toy_args(tokenizer_dir, a, *common, "--training.steps", "20"))
+    assert "DMuon: 42 matrices on 2 ranks, 6 hook boundaries" in out  # the partition, at start-up
+    assert "dmuon step: 20  optimizer:" in out  # the per-step line
+    for tag in ("dmuon/optimizer_ms", "dmuon/ns_ms"):
+        times = tb_scalars(a, tag)
+        assert sorted(times) == list(range(1, 21)) and all(t > 0 for t in times.values()), tag
     run_ok(2, *toy_args(tokenizer_dir, b, *common, "--training.steps", "10"))
     out = run_ok(2, *toy_args(tokenizer_dir, b, *common, "--training.steps", "20"))
     assert "Training starts at step 11" in out
@@ -304,3 +313,31 @@ def test_bad_config_exits_cleanly_under_torchrun(tokenizer_dir, tmp_path, config
     assert rc != 0
     assert "dmuon_titan config error" in out and key in out, out[-3000:]
     assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out
+
+
+def test_every_dcp_save_drains_first(cpu_mesh):
+    """The CheckpointManager hook: wait_all_replicate_broadcasts runs before the save."""
+    from unittest import mock
+
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    import dmuon_titan as dmuon
+    import dmuon_titan.titan  # noqa: F401  (installs the hooks)
+    from dmuon_titan.titan import checkpoint as plugin
+
+    from .toy_model import ToyTransformer, dedicated_predicate
+
+    model = ToyTransformer()
+    dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
+    calls = []
+    manager = mock.Mock(states={"model": plugin.DMuonModelWrapper([model])})
+    with mock.patch.object(
+        plugin, "wait_all_replicate_broadcasts", side_effect=lambda m: calls.append(("drain", m))
+    ):
+        inner = mock.Mock(side_effect=lambda *a, **k: calls.append(("save",)))
+        plugin._draining(inner)(manager, {"x": 1}, checkpoint_id="c")
+    assert calls == [("drain", model), ("save",)]
+    assert getattr(CheckpointManager.dcp_save, "_dmuon_draining", False)
+    # and the model state dict handed to DCP is the owner-only form
+    sd = manager.states["model"].state_dict()
+    assert set(sd) == set(dmuon.get_model_state_dict(model, full=False))
