@@ -40,24 +40,26 @@ def clean_fqn(fqn: str) -> str:
 
 def dedicate_params(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     predicate: ParamPredicate,
     hook_boundary_predicate: ModulePredicate | None = None,
     hook_boundary_strict: bool = True,
     reshard_after_forward: bool = True,
     replicate_mesh: DeviceMesh | None = None,
     *,
+    replicate_async: bool = True,
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
 ) -> dict[str, Any]:
     """Give each selected matrix one owner rank and install the hooks that serve it.
 
     Call it before ``fully_shard`` (which then skips the dedicated parameters) and, with a meta
-    model, before ``to_empty``: afterwards only the owner holds storage for each dedicated
-    weight.
+    model, before ``to_empty``: afterwards only the owner (and, with replicas, one rank of the
+    owner's shard column per replica) holds storage for each dedicated weight.
 
     Args:
         model: the root module (the one you will call forward on).
-        mesh: 1-D data-parallel device mesh (the one you pass to ``fully_shard``).
+        mesh: 1-D data-parallel shard mesh (FSDP's; for HSDP its shard dimension). ``None``
+            with ``replicate_mesh`` for pure replication (DDP-style).
         predicate: ``(fqn, param) -> bool`` selecting the Muon matrices; each must be 2-D,
             trainable and not shared between modules.
         hook_boundary_predicate: ``(module) -> bool``; a parameter's hooks go to its lowest
@@ -66,7 +68,11 @@ def dedicate_params(
         hook_boundary_strict: raise if the predicate leaves parameters uncovered.
         reshard_after_forward: ``True`` (Z3) frees non-owned weights after forward and
             re-broadcasts them before backward; ``False`` (Z2) keeps them until backward.
-        replicate_mesh: reserved for HSDP (not supported yet).
+        replicate_mesh: 1-D replicate mesh (HSDP's replicate dimension). Owners are planned
+            over all replicate × shard ranks; gradients are reduced within the shard group,
+            then across replicas to the owner; the owner's update returns to the replicas.
+        replicate_async: with replicas, send updates asynchronously after ``step()`` and wait
+            in the next forward of each layer (default), or wait right away (debugging).
         small_param_numel: matrices with at most this many elements are packed per boundary
             onto one owner.
 
@@ -75,16 +81,18 @@ def dedicate_params(
     """
     if hasattr(model, STATE_ATTR):
         raise ValueError("dedicate_params was already applied to this model")
-    if replicate_mesh is not None:
-        raise NotImplementedError("replicate_mesh (HSDP) is not supported yet")
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-        shape = getattr(mesh, "shape", None)
-        raise ValueError(
-            f"mesh must be a 1-D DeviceMesh (the data-parallel mesh), got {type(mesh).__name__} "
-            f"with shape {shape}"
-        )
+    for name, m in (("mesh", mesh), ("replicate_mesh", replicate_mesh)):
+        if m is not None and (not isinstance(m, DeviceMesh) or m.ndim != 1):
+            raise ValueError(
+                f"{name} must be a 1-D DeviceMesh, got {type(m).__name__} with shape "
+                f"{getattr(m, 'shape', None)}"
+            )
+    if mesh is None and replicate_mesh is None:
+        raise ValueError("mesh must be a 1-D DeviceMesh (the data-parallel mesh), got None")
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    if not isinstance(replicate_async, bool):
+        raise ValueError(f"replicate_async must be a bool, got {replicate_async!r}")
     _reject_already_sharded(model)
 
     selected = _select_params(model, predicate)
@@ -93,22 +101,38 @@ def dedicate_params(
         [fqn for fqn, *_ in selected], modules, hook_boundary_predicate, hook_boundary_strict
     )
     specs = [ParamSpec(clean_fqn(fqn), tuple(p.shape), boundaries[fqn]) for fqn, p, *_ in selected]
-    world_size = mesh.size()
-    plan = plan_partition(specs, world_size, small_param_numel=small_param_numel)
+    shard_size = mesh.size() if mesh is not None else 1
+    replicate_size = replicate_mesh.size() if replicate_mesh is not None else 1
+    plan = plan_partition(specs, shard_size * replicate_size, small_param_numel=small_param_numel)
 
-    group = mesh.get_group()
-    rank = mesh.get_local_rank()
+    device_type = (mesh or replicate_mesh).device_type
     device = (
         torch.device("cuda", torch.cuda.current_device())
-        if mesh.device_type == "cuda"
-        else torch.device(mesh.device_type)
+        if device_type == "cuda"
+        else torch.device(device_type)
     )
-    _check_same_plan_everywhere(plan.fingerprint(), group, device)
+    shard_group = mesh.get_group() if mesh is not None else None
+    replicate_group = replicate_mesh.get_group() if replicate_mesh is not None else None
+    for group in (shard_group, replicate_group):
+        if group is not None:
+            _check_same_plan_everywhere(plan.fingerprint(), group, device)
+    comm = Collectives(shard_group, replicate_group, device)
 
     boundary_paths = list(dict.fromkeys(boundaries[fqn] for fqn, *_ in selected))
     boundary_index = {path: i for i, path in enumerate(boundary_paths)}
     params = [
-        DedicatedParam(i, spec.fqn, module, attr, p, owner, rank, boundary_index[spec.boundary])
+        DedicatedParam(
+            i,
+            spec.fqn,
+            module,
+            attr,
+            p,
+            owner,
+            comm.ranks["shard"],
+            comm.ranks["replicate"],
+            shard_size,
+            boundary_index[spec.boundary],
+        )
         for i, ((_, p, module, attr), spec, owner) in enumerate(
             zip(selected, specs, plan.owners, strict=True)
         )
@@ -117,8 +141,17 @@ def dedicate_params(
         BoundaryGroup(i, path, modules[path], [p for p in params if p.boundary_index == i])
         for i, path in enumerate(boundary_paths)
     ]
-    comm = Collectives(group, device)
-    state = DMuonState(model, mesh, plan, params, groups, comm, reshard_after_forward)
+    state = DMuonState(
+        model,
+        mesh,
+        plan,
+        params,
+        groups,
+        comm,
+        reshard_after_forward,
+        replicate_mesh=replicate_mesh,
+        replicate_async=replicate_async,
+    )
     for g in groups:
         register_boundary_hooks(state, g)
     setattr(model, STATE_ATTR, state)
@@ -252,8 +285,12 @@ def move_hooks_outside_compile(model: nn.Module) -> int:
 
 
 def wait_all_replicate_broadcasts(model: nn.Module) -> None:
-    """Drain asynchronous replica broadcasts (HSDP). Without a replicate mesh there are none."""
-    get_state(model)
+    """Wait for the owners' asynchronous update broadcasts to the replicas (HSDP/DDP).
+
+    Call it before reading weights outside training (a checkpoint); the state-dict functions
+    and the torchtitan plugin's checkpoint hook do. Without a replicate mesh there are none.
+    """
+    get_state(model).wait_all_replicate_broadcasts()
 
 
 def summarize_plan(
@@ -275,15 +312,23 @@ def summarize_plan(
     reduce_bytes = sum(
         p.numel * (reduce_dtype or param_dtype or p.reduce_dtype).itemsize for p in state.params
     )
-    share = (n - 1) / n
+    shard, replicas = state.shard_size, state.replicate_size
+    master_bytes = sum(p.numel * p.orig_dtype.itemsize for p in state.params)
+    # Per rank, averaged over the data-parallel world (see CommStats for the convention).
+    in_shard = (shard - 1) / shard
+    across = (replicas - 1) / (replicas * shard)
     per_step = {
-        "forward_broadcast": param_bytes * share,
-        "backward_rebroadcast": param_bytes * share if state.reshard_after_forward else 0.0,
-        "reduce": reduce_bytes * share,
+        "forward_broadcast": param_bytes * in_shard,
+        "backward_rebroadcast": param_bytes * in_shard if state.reshard_after_forward else 0.0,
+        "reduce": reduce_bytes * in_shard,
+        "reduce_replicate": reduce_bytes * across,
+        "replicate_broadcast": master_bytes * across,
     }
     per_step["total"] = sum(per_step.values())
     return {
         "world_size": n,
+        "shard_size": state.shard_size,
+        "replicate_size": state.replicate_size,
         "rank": state.rank,
         "reshard_after_forward": state.reshard_after_forward,
         "num_params": len(state.params),
@@ -301,7 +346,7 @@ def summarize_plan(
             {
                 "path": g.path or "<root>",
                 "params": len(g.params),
-                "owners": [b.owner for b in g.buckets],
+                "owners": sorted({p.owner for p in g.params}),
             }
             for g in state.groups
         ],

@@ -26,7 +26,7 @@ def clip_grad_norm_(
     Same formula as ``torch.nn.utils.clip_grad_norm_`` on one process. The norm covers FSDP2
     (DTensor) gradients, owned dedicated gradients (each counted once, on its owner) and any
     plain replicated gradients. Collectives, always in this order on every rank: the DTensor
-    norm's reduction, then an all-reduce of the owned part over the DMuon group.
+    norm's reduction, then an all-reduce of the owned part over the data-parallel world.
     """
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
@@ -63,10 +63,10 @@ def clip_grad_norm_(
     if state is not None and state.world_size > 1:
         owned_norm = local_norm(owned)
         if inf:
-            dist.all_reduce(owned_norm, op=dist.ReduceOp.MAX, group=state.comm.group)
+            state.comm.all_reduce(owned_norm, op=dist.ReduceOp.MAX)
         else:
             owned_norm = owned_norm.pow(norm_type)
-            dist.all_reduce(owned_norm, group=state.comm.group)
+            state.comm.all_reduce(owned_norm)
             owned_norm = owned_norm.pow(1.0 / norm_type)
         parts.append(owned_norm)
     else:

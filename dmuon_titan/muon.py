@@ -151,6 +151,8 @@ class Muon(torch.optim.Optimizer):
                 self.timer.start("adamw")
                 self._adamw_step(group)
                 self.timer.stop("adamw")
+        if self._dmuon is not None:
+            self._dmuon.after_step()  # replicas: the updated matrices go back (async)
         self.timer.stop("optimizer")
         return loss
 

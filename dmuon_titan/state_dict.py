@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -53,13 +52,20 @@ def _full(value: torch.Tensor) -> torch.Tensor:
     return _cpu_copy(value)
 
 
-def _broadcast_from_owner(state: DMuonState, p: DedicatedParam, value: torch.Tensor | None):
-    """``value`` (full, on the owner) on every rank, as a CPU tensor."""
-    if p.is_owner:
+def _broadcast_from_owner(
+    state: DMuonState, p: DedicatedParam, value: torch.Tensor | None, column_has_it: bool
+):
+    """``value`` on every rank, as a CPU tensor. It is on the global owner, and on every rank
+    of the owner's shard column when ``column_has_it`` (weights, after a drain)."""
+    comm = state.comm
+    have = p.is_owner or (column_has_it and p.holds_weight)
+    if have:
         buf = value.detach().to(state.device).contiguous()
     else:
         buf = torch.empty(p.shape, dtype=p.orig_dtype, device=state.device)
-    state.comm.broadcast(buf, p.owner, "state_dict").wait()
+    if not column_has_it and p.holds_weight:  # the owner's column peers first (replicas)
+        comm.broadcast(buf, p.owner_replica, "state_dict", group="replicate").wait()
+    comm.broadcast(buf, p.owner_shard, "state_dict", group="shard").wait()
     return _cpu_copy(buf)
 
 
@@ -130,6 +136,7 @@ def get_model_state_dict(model: nn.Module, *, full: bool = True) -> dict[str, to
     state = _state(model)
     if state is not None:
         wait_all_replicate_broadcasts(model)
+        state.ensure_replicas_synced()
     result: dict[str, torch.Tensor] = {}
     for key, (value, p) in _model_entries(model, full).items():
         if not full:
@@ -137,7 +144,8 @@ def get_model_state_dict(model: nn.Module, *, full: bool = True) -> dict[str, to
         elif p is None:
             result[key] = _full(value)
         else:
-            result[key] = _broadcast_from_owner(state, p, p.owned if p.is_owner else None)
+            value = p.owned if p.holds_weight else None
+            result[key] = _broadcast_from_owner(state, p, value, column_has_it=True)
     return result
 
 
@@ -152,9 +160,17 @@ def set_model_state_dict(
         if key in state_dict:
             _check_shape("model", key, state_dict[key], p.shape if p else target.shape)
     for key, (target, p) in entries.items():
-        if key not in state_dict or (p is not None and not p.is_owner):
+        if key not in state_dict or (p is not None and not p.holds_weight):
             continue
         _load_into(key, target.detach() if p is None else target, state_dict[key])
+    state = _state(model)
+    if state is not None:
+        # The full form reached every replica's column rank; the owner-only form only the
+        # owners, who now send it to their replicas.
+        if full:
+            state.mark_replicas_synced()
+        else:
+            state.sync_replicas()
 
 
 # ---------------------------------------------------------------------- optimizer
@@ -235,12 +251,13 @@ def get_optimizer_state_dict(
             dtype=torch.int32,
             device=state.device,
         )
-        if state.world_size > 1:
-            dist.all_reduce(have, group=state.comm.group)
+        state.comm.all_reduce(have)
         for p, present in zip(state.params, have.tolist(), strict=True):
             if present:
                 buf = optimizer.state[p.owned]["momentum_buffer"] if p.is_owner else None
-                result_state[p.fqn] = {"momentum_buffer": _broadcast_from_owner(state, p, buf)}
+                result_state[p.fqn] = {
+                    "momentum_buffer": _broadcast_from_owner(state, p, buf, column_has_it=False)
+                }
     return {"state": result_state, "param_groups": groups}
 
 

@@ -45,8 +45,10 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8, 64, 512])
     parser.add_argument("--tflops", type=float, default=600.0, help="achieved NS matmul rate")
     args = parser.parse_args()
-    print("| model | ranks | matrices | imbalance (max/mean) | idle ranks | blocks with a shared owner "
-          "| slowest rank NS (ms) | perfect split NS (ms) | Z3 GiB/rank/step |")
+    print(
+        "| model | ranks | matrices | imbalance (max/mean) | idle ranks | blocks with a shared owner "
+        "| slowest rank NS (ms) | perfect split NS (ms) | Z3 GiB/rank/step |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, dims in MODELS.items():
         specs = llama_specs(*dims)

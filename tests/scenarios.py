@@ -122,7 +122,7 @@ def mixed_precision(rank: int, world_size: int, device: str = "cpu") -> dict:
         got = p.owned.grad if p.is_owner else torch.empty_like(expected)
         if p.is_owner:
             assert got.dtype == torch.float32
-        dist.broadcast(got, group_src=p.owner, group=state.comm.group)
+        dist.broadcast(got, group_src=p.owner, group=state.comm.groups["shard"])
         worst = max(worst, ((got - expected).norm() / expected.norm()).item())
     optimizer.step()
     momentum_dtypes = {
@@ -214,3 +214,33 @@ def dcp_load(rank: int, world_size: int, cfg: RunConfig, path: str) -> dict:
         "model": dmuon.get_model_state_dict(model),
         "optim": dmuon.get_optimizer_state_dict(model, optimizer),
     }
+
+
+def hsdp_after_async_step(rank: int, world_size: int, cfg: RunConfig, path: str) -> dict:
+    """Right after an async step: full and owner-only (DCP) state on every rank; the DCP form
+    is saved to ``path``. Replica copies of non-owner columns are scrambled before the first
+    forward to check that the global owner's values win."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = build_dmuon(cfg, world_size)
+    state = model._dmuon_state
+    with torch.no_grad():
+        for p in state.params:
+            if p.holds_weight and not p.is_owner:
+                p.owned.add_(1000.0)  # a different "init_weights" on this replica
+    state.comm.stats.reset()
+    for step in range(cfg.steps):
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    stats = state.comm.stats.as_dict()
+    full = {
+        "model": dmuon.get_model_state_dict(model),
+        "optim": dmuon.get_optimizer_state_dict(model, optimizer),
+    }
+    dcp.save(
+        {
+            "model": dmuon.get_model_state_dict(model, full=False),
+            "optim": dmuon.get_optimizer_state_dict(model, optimizer, full=False),
+        },
+        checkpoint_id=path,
+    )
+    return {**full, "stats": stats, "summary": dmuon.summarize_plan(model)}

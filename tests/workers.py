@@ -45,6 +45,8 @@ class RunConfig:
     meta_init: bool = True
     device: str = "cpu"
     compile_backend: str | None = None  # torch.compile each block (fullgraph) with this backend
+    replicate: int = 1  # HSDP replicas: ranks form a (replicate, shard) grid
+    replicate_async: bool = True
 
 
 def batch(cfg: RunConfig, step: int) -> torch.Tensor:
@@ -121,15 +123,26 @@ def initial_state(cfg: RunConfig) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------- DMuon
 def build_dmuon(cfg: RunConfig, world_size: int):
     """Meta model → dedicate → (AC) → fully_shard → to_empty → init_weights → Muon."""
-    mesh = init_device_mesh(cfg.device, (world_size,))
+    if cfg.replicate > 1:
+        grid = init_device_mesh(
+            cfg.device,
+            (cfg.replicate, world_size // cfg.replicate),
+            mesh_dim_names=("replicate", "shard"),
+        )
+        fsdp_mesh, shard_mesh, replicate_mesh = grid, grid["shard"], grid["replicate"]
+    else:
+        fsdp_mesh = shard_mesh = init_device_mesh(cfg.device, (world_size,))
+        replicate_mesh = None
     ctx = torch.device("meta") if cfg.meta_init else torch.device(cfg.device)
     with ctx:
         model = MODELS[cfg.model](vocab=cfg.vocab).to(cfg.param_dtype)
     dmuon.dedicate_params(
         model,
-        mesh,
+        shard_mesh,
         dedicated_predicate,
         reshard_after_forward=cfg.reshard_after_forward,
+        replicate_mesh=replicate_mesh,
+        replicate_async=cfg.replicate_async,
         small_param_numel=cfg.small_param_numel,
     )
     if cfg.activation_checkpointing:
@@ -149,8 +162,8 @@ def build_dmuon(cfg: RunConfig, world_size: int):
         else MixedPrecisionPolicy()
     )
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
     if cfg.meta_init:
         model.to_empty(device=cfg.device)
     model.init_weights()

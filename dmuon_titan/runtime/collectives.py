@@ -1,4 +1,9 @@
-"""The collectives DMuon issues: broadcast from an owner, reduce to an owner.
+"""The collectives DMuon issues: broadcasts from and reduces to owners, in two groups.
+
+``shard`` is the group a layer's weights are broadcast in and its gradients first reduced in
+(the FSDP shard group); ``replicate`` (HSDP/DDP replicas) carries the second reduce stage and
+the owner's updated weights back to the replicas. A missing group has one rank and costs
+nothing.
 
 One code path for every backend. On CUDA each kind of collective runs on its own stream and
 the consumer waits on a CUDA event (no host synchronization); on CPU (gloo) the collective is
@@ -9,6 +14,7 @@ counted, so communication volume is measured, not assumed.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,88 +45,123 @@ class Pending:
 
 @dataclass
 class CommStats:
-    """Payload bytes issued per phase ("forward", "backward_unshard", "reduce", ...).
+    """What this rank's collectives carried, per phase.
 
-    A broadcast or reduce of S bytes among N ranks moves (N-1)·S bytes in total: every rank but
-    the root receives (or contributes) S once. :meth:`moved_bytes_per_rank` reports that total
-    divided by N, the usual per-rank communication volume.
+    ``payload_bytes``: the tensors' sizes. ``moved_bytes``: a broadcast or reduce of S bytes
+    among n ranks moves (n-1)·S bytes in all, (n-1)/n·S per participant; this rank's share.
+    Averaged over all ranks this is the usual per-rank communication volume.
     """
 
-    world_size: int
     payload_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    moved_bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     ops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def record(self, phase: str, nbytes: int, ops: int = 1) -> None:
+    def record(self, phase: str, nbytes: int, group_size: int, ops: int = 1) -> None:
         self.payload_bytes[phase] += nbytes
+        self.moved_bytes[phase] += nbytes * (group_size - 1) / group_size
         self.ops[phase] += ops
 
     def moved_bytes_per_rank(self, phase: str | None = None) -> float:
-        n = self.world_size
-        total = sum(self.payload_bytes.values()) if phase is None else self.payload_bytes[phase]
-        return total * (n - 1) / n
+        if phase is None:
+            return sum(self.moved_bytes.values())
+        return self.moved_bytes.get(phase, 0.0)
 
     def reset(self) -> None:
         self.payload_bytes.clear()
+        self.moved_bytes.clear()
         self.ops.clear()
 
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        return {"payload_bytes": dict(self.payload_bytes), "ops": dict(self.ops)}
+    def as_dict(self) -> dict[str, dict]:
+        return {
+            "payload_bytes": dict(self.payload_bytes),
+            "moved_bytes": dict(self.moved_bytes),
+            "ops": dict(self.ops),
+        }
 
 
 class Collectives:
-    """Broadcast/reduce over one process group, with streams (CUDA) or async work (gloo)."""
+    """Broadcast/reduce over the shard and replicate groups, with streams or async work."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+    def __init__(
+        self,
+        shard_group: dist.ProcessGroup | None,
+        replicate_group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        self.groups = {"shard": shard_group, "replicate": replicate_group}
+        self.sizes = {
+            k: dist.get_world_size(g) if g is not None else 1 for k, g in self.groups.items()
+        }
+        self.ranks = {k: dist.get_rank(g) if g is not None else 0 for k, g in self.groups.items()}
         self.device = device
-        self.stats = CommStats(self.world_size)
+        self.stats = CommStats()
         self._use_streams = device.type == "cuda"
         if self._use_streams:
-            self.unshard_stream = torch.cuda.Stream(device=device, priority=-1)
-            self.reduce_stream = torch.cuda.Stream(device=device, priority=-1)
+            self.streams = {
+                "unshard": torch.cuda.Stream(device=device, priority=-1),
+                "reduce": torch.cuda.Stream(device=device, priority=-1),
+                "replicate": torch.cuda.Stream(device=device, priority=-1),
+            }
 
-    def broadcast(self, tensor: Tensor, src: int, phase: str) -> Pending:
-        """Broadcast ``tensor`` in place from group rank ``src``."""
-        self.stats.record(phase, tensor.numel() * tensor.element_size())
-        if self.world_size == 1:
+    @property
+    def shard_size(self) -> int:
+        return self.sizes["shard"]
+
+    @property
+    def replicate_size(self) -> int:
+        return self.sizes["replicate"]
+
+    def broadcast(
+        self, tensor: Tensor, src: int, phase: str, group: str = "shard", stream: str = "unshard"
+    ) -> Pending:
+        """Broadcast ``tensor`` in place from ``src`` (a rank of ``group``)."""
+        pg = self.groups[group]
+        self.stats.record(phase, tensor.numel() * tensor.element_size(), self.sizes[group])
+        if self.sizes[group] == 1:
             return Pending()
         if self._use_streams:
             return self._on_stream(
-                self.unshard_stream,
-                tensor,
-                lambda: dist.broadcast(tensor, group_src=src, group=self.group),
+                stream, tensor, lambda: dist.broadcast(tensor, group_src=src, group=pg)
             )
-        work = dist.broadcast(tensor, group_src=src, group=self.group, async_op=True)
+        work = dist.broadcast(tensor, group_src=src, group=pg, async_op=True)
         return Pending(work=work, tensor=tensor)
 
-    def reduce_sum(self, tensor: Tensor, dst: int, phase: str, trailer_numel: int = 0) -> Pending:
-        """Sum ``tensor`` over the group into group rank ``dst`` (gloo has no AVG: callers scale).
+    def reduce_sum(
+        self, tensor: Tensor, dst: int, phase: str, trailer_numel: int = 0, group: str = "shard"
+    ) -> Pending:
+        """Sum ``tensor`` over ``group`` into its rank ``dst`` (gloo has no AVG: callers scale).
 
         The last ``trailer_numel`` elements are bookkeeping riding along (gradient presence
         flags); they are counted under ``phase + "_flags"`` so payload volume stays exact.
+        Reduces share one stream, so a second stage issued after a first is ordered after it.
         """
+        pg = self.groups[group]
         size = tensor.element_size()
-        self.stats.record(phase, (tensor.numel() - trailer_numel) * size)
+        n = self.sizes[group]
+        self.stats.record(phase, (tensor.numel() - trailer_numel) * size, n)
         if trailer_numel:
-            self.stats.record(phase + "_flags", trailer_numel * size, ops=0)
-        if self.world_size == 1:
+            self.stats.record(phase + "_flags", trailer_numel * size, n, ops=0)
+        if n == 1:
             return Pending()
         if self._use_streams:
             return self._on_stream(
-                self.reduce_stream,
+                "reduce",
                 tensor,
-                lambda: dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=self.group),
+                lambda: dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=pg),
             )
-        work = dist.reduce(
-            tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True
-        )
+        work = dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=pg, async_op=True)
         return Pending(work=work, tensor=tensor)
 
-    def _on_stream(self, stream, tensor: Tensor, issue) -> Pending:
+    def all_reduce(self, tensor: Tensor, op=dist.ReduceOp.SUM) -> None:
+        """Blocking all-reduce over the whole data-parallel world (shard, then replicate)."""
+        for group in ("shard", "replicate"):
+            if self.sizes[group] > 1:
+                dist.all_reduce(tensor, op=op, group=self.groups[group])
+
+    def _on_stream(self, name: str, tensor: Tensor, issue: Callable[[], object]) -> Pending:
         # The collective must see everything the compute stream wrote into ``tensor``. Issued
         # synchronously under ``stream``, NCCL makes ``stream`` (not the host) wait for it.
+        stream = self.streams[name]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             issue()

@@ -1,8 +1,12 @@
 """One hook boundary: its dedicated parameters grouped by owner, with coalesced collectives.
 
-Each owner's parameters in a boundary form an :class:`OwnerBucket`: one flat buffer, one
-broadcast in (forward, and again before backward under Z3), one reduce out (backward). The
-order of buckets is the plan's, identical on every rank, so every rank issues the same
+The parameters of a boundary whose owners sit in the same shard column form an
+:class:`OwnerBucket`: one flat buffer, one broadcast in the shard group (forward, and again
+before backward under Z3), one reduce to the column (backward, stage 1). Inside a bucket the
+parameters are ordered by owner replica into *segments*; with replicas (HSDP/DDP) each segment
+is reduced once more across the replicate group to its global owner (stage 2), and after the
+optimizer step the owner broadcasts the segment's updated weights back to the replicas. The
+order of everything is the plan's, identical on every rank, so every rank issues the same
 collectives in the same order.
 """
 
@@ -18,19 +22,27 @@ from .owned_param import DedicatedParam
 
 
 class UnshardState(enum.Enum):
-    FREED = "freed"  # no full-size storage (the owner still has its master)
+    FREED = "freed"  # no full-size storage (column ranks still hold their masters)
     PENDING = "pending"  # broadcast issued, not waited for
     READY = "ready"  # full-size params hold current weights
 
 
 class OwnerBucket:
-    """The parameters one owner contributes to one boundary."""
+    """The parameters of one boundary owned in one shard column."""
 
-    def __init__(self, owner: int, params: list[DedicatedParam]) -> None:
-        self.owner = owner
-        self.params = params
-        self.numel = sum(p.numel for p in params)
-        self.is_owner = params[0].is_owner
+    def __init__(self, owner_shard: int, params: list[DedicatedParam]) -> None:
+        self.owner_shard = owner_shard
+        self.params = sorted(params, key=lambda p: (p.owner_replica, p.index))
+        self.numel = sum(p.numel for p in self.params)
+        self.holds_weight = self.params[0].holds_weight
+        # (owner replica, params, offset in the reduce buffer, elements incl. flags)
+        self.segments: list[tuple[int, list[DedicatedParam], int, int]] = []
+        offset = 0
+        for replica in sorted({p.owner_replica for p in self.params}):
+            members = [p for p in self.params if p.owner_replica == replica]
+            size = sum(p.numel for p in members) + len(members)
+            self.segments.append((replica, members, offset, size))
+            offset += size
         self.buffer: torch.Tensor | None = None  # flat, param dtype; storage freed when FREED
 
     def lazy_init(self, device: torch.device) -> None:
@@ -60,7 +72,7 @@ class OwnerBucket:
 
     @torch.no_grad()
     def fill_from_owned(self) -> None:
-        """Owner only: copy (and cast) the master weights into the broadcast buffer."""
+        """Column ranks: copy (and cast) the master weights into the broadcast buffer."""
         offset = 0
         for p in self.params:
             self.buffer[offset : offset + p.numel].copy_(p.owned.reshape(-1))
@@ -68,44 +80,49 @@ class OwnerBucket:
 
     @torch.no_grad()
     def pack_grads(self) -> torch.Tensor:
-        """This rank's gradients (zeros where none) plus one presence flag per parameter.
+        """This rank's gradients (zeros where none) plus one presence flag per parameter,
+        segment by segment.
 
-        The flags are summed by the reduce, so the owner learns whether *any* rank produced a
+        The flags are summed by the reduces, so the owner learns whether *any* rank produced a
         gradient, and keeps ``grad=None`` (skipped, as torch.optim does) when none did.
         """
-        n = len(self.params)
-        flat = torch.empty(self.numel + n, dtype=self.reduce_dtype, device=self.buffer.device)
-        flags = flat[self.numel :]
-        flags.zero_()
-        offset = 0
-        for i, p in enumerate(self.params):
-            grad = p.unsharded.grad
-            view = flat[offset : offset + p.numel]
-            if grad is None:
-                view.zero_()
-            else:
-                view.copy_(grad.reshape(-1))
-                flags[i : i + 1].fill_(1)  # a kernel, not a host-to-device copy
-                p.unsharded.grad = None
-            offset += p.numel
+        total = sum(size for *_, size in self.segments)
+        flat = torch.empty(total, dtype=self.reduce_dtype, device=self.buffer.device)
+        for _, members, start, size in self.segments:
+            flags = flat[start + size - len(members) : start + size]
+            flags.zero_()
+            offset = start
+            for i, p in enumerate(members):
+                grad = p.unsharded.grad
+                view = flat[offset : offset + p.numel]
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad.reshape(-1))
+                    flags[i : i + 1].fill_(1)  # a kernel, not a host-to-device copy
+                    p.unsharded.grad = None
+                offset += p.numel
         return flat
 
-    @torch.no_grad()
-    def presence_flags(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.numel :]
+    def owned_segment(self) -> tuple[list[DedicatedParam], torch.Tensor] | None:
+        """(params, slice bounds) of the segment this rank owns globally, if any."""
+        for _, members, start, size in self.segments:
+            if members[0].is_owner:
+                return members, (start, size)
+        return None
 
     @torch.no_grad()
     def unpack_reduced(
-        self, flat: torch.Tensor, divide_factor: float, present: list[float]
+        self, members: list[DedicatedParam], segment: torch.Tensor, divide_factor: float, present
     ) -> None:
         """Owner only: divide the summed gradients into ``owned.grad`` (accumulating);
         ``present`` are the summed presence flags, already on the host."""
         if divide_factor != 1:
-            flat.div_(divide_factor)
+            segment.div_(divide_factor)
         offset = 0
-        for p, flag in zip(self.params, present, strict=True):
+        for p, flag in zip(members, present, strict=True):
             if flag > 0:
-                grad = flat[offset : offset + p.numel].view(p.shape)
+                grad = segment[offset : offset + p.numel].view(p.shape)
                 if grad.dtype != p.orig_dtype:
                     grad = grad.to(p.orig_dtype)
                 if p.owned.grad is None:
@@ -113,6 +130,15 @@ class OwnerBucket:
                 else:
                     p.owned.grad.add_(grad)
             offset += p.numel
+
+
+class PendingReduce:
+    """What the global owner must do with a reduced segment once it has arrived."""
+
+    __slots__ = ("bucket", "members", "segment", "handles")
+
+    def __init__(self, bucket, members, segment, handles) -> None:
+        self.bucket, self.members, self.segment, self.handles = bucket, members, segment, handles
 
 
 class BoundaryGroup:
@@ -123,13 +149,14 @@ class BoundaryGroup:
         self.path = path
         self.module = module
         self.params = params
-        by_owner: dict[int, list[DedicatedParam]] = {}
+        by_column: dict[int, list[DedicatedParam]] = {}
         for p in params:
-            by_owner.setdefault(p.owner, []).append(p)
-        self.buckets = [OwnerBucket(o, by_owner[o]) for o in sorted(by_owner)]
+            by_column.setdefault(p.owner_shard, []).append(p)
+        self.buckets = [OwnerBucket(s, by_column[s]) for s in sorted(by_column)]
         self.num_trainable = sum(1 for p in params if p.owned.requires_grad)
         self.unshard_state = UnshardState.FREED
         self._pending: list[Pending] = []
+        self._replicate_pending: list[Pending] = []
         self.hook_handles: list = []  # forward hooks, on ``module`` or a wrapper of it
         # Per-step bookkeeping, reset at the end of every backward.
         self.forward_count = 0
@@ -140,18 +167,20 @@ class BoundaryGroup:
         for bucket in self.buckets:
             bucket.lazy_init(device)
 
+    # ---------------------------------------------------------------- weights in
     def unshard(self, comm: Collectives, phase: str) -> None:
         """Issue the broadcasts that make every full-size parameter current (async)."""
         if self.unshard_state is not UnshardState.FREED:
             return
+        self.wait_replicate()  # the masters must hold the last step's update first
         for bucket in self.buckets:
             bucket.allocate()
             # The unsharded params alias ``bucket.buffer`` and may be saved for backward: a
             # write here must not bump their version counter (autograd would reject it).
             with torch.autograd._unsafe_preserve_version_counter(bucket.buffer):
-                if bucket.is_owner:
+                if bucket.holds_weight:
                     bucket.fill_from_owned()
-                self._pending.append(comm.broadcast(bucket.buffer, bucket.owner, phase))
+                self._pending.append(comm.broadcast(bucket.buffer, bucket.owner_shard, phase))
         self.unshard_state = UnshardState.PENDING
 
     def wait_unshard(self) -> None:
@@ -162,7 +191,7 @@ class BoundaryGroup:
             self.unshard_state = UnshardState.READY
 
     def reshard(self) -> None:
-        """Drop the full-size storage (the owner keeps its master)."""
+        """Drop the full-size storage (column ranks keep their masters)."""
         if self.unshard_state is UnshardState.FREED:
             return
         self.wait_unshard()
@@ -178,17 +207,61 @@ class BoundaryGroup:
         for p in self.params:
             p.uninstall()
 
-    def reduce_grads(self, comm: Collectives) -> list[tuple[OwnerBucket, torch.Tensor, Pending]]:
-        """Issue one reduce per owner bucket; returns what the owner must unpack later."""
+    # ---------------------------------------------------------------- gradients out
+    def reduce_grads(self, comm: Collectives) -> list[PendingReduce]:
+        """Stage 1 (shard group, to the column) and, with replicas, stage 2 (replicate group,
+        to the global owner) for every bucket; returns what owners unpack later."""
         issued = []
+        replicas = comm.replicate_size > 1
         for bucket in self.buckets:
             flat = bucket.pack_grads()
-            pending = comm.reduce_sum(flat, bucket.owner, "reduce", len(bucket.params))
-            if bucket.is_owner:
-                issued.append((bucket, flat, pending))
+            stage1 = comm.reduce_sum(
+                flat, bucket.owner_shard, "reduce", len(bucket.params), group="shard"
+            )
+            handles = [stage1]
+            if replicas and bucket.holds_weight:
+                if comm.device.type != "cuda":
+                    stage1.wait()  # gloo: stage 2 reads stage 1's result (CUDA: same stream)
+                for replica, members, start, size in bucket.segments:
+                    handles.append(
+                        comm.reduce_sum(
+                            flat[start : start + size],
+                            replica,
+                            "reduce_replicate",
+                            len(members),
+                            group="replicate",
+                        )
+                    )
+            owned = bucket.owned_segment()
+            if owned is not None:
+                members, (start, size) = owned
+                issued.append(PendingReduce(bucket, members, flat[start : start + size], handles))
             else:
-                issued.append((bucket, None, pending))
+                issued.append(PendingReduce(bucket, None, None, handles))
         return issued
+
+    # ---------------------------------------------------------------- updates back to replicas
+    def broadcast_updates(self, comm: Collectives) -> None:
+        """After the step: each global owner's updated masters to the other replicas (async)."""
+        for bucket in self.buckets:
+            if not bucket.holds_weight:
+                continue
+            for replica, members, _, _ in bucket.segments:
+                for p in members:
+                    self._replicate_pending.append(
+                        comm.broadcast(
+                            p.owned.data,
+                            replica,
+                            "replicate_broadcast",
+                            group="replicate",
+                            stream="replicate",
+                        )
+                    )
+
+    def wait_replicate(self) -> None:
+        for pending in self._replicate_pending:
+            pending.wait()
+        self._replicate_pending.clear()
 
     def reset_step(self) -> None:
         self.forward_count = 0

@@ -1,10 +1,15 @@
 """One dedicated parameter: whole on its owner, empty elsewhere, full-size only while in use.
 
-Outside a boundary's active window the module holds ``owned``: the full master weight on the
-owner rank, an empty placeholder on every other rank (so ``to_empty`` allocates and
-``init_weights`` writes only on the owner). Inside the window the module holds ``unsharded``:
-a full-size parameter in the compute dtype whose storage is a view into its owner bucket's
-broadcast buffer; autograd accumulates this rank's gradient into ``unsharded.grad``.
+Ranks form a replicate × shard grid (R × S; plain FSDP is 1 × S). Each matrix has one global
+owner slot (r_o, s_o), the only rank that keeps its optimizer state and updates it. The ranks
+of shard column s_o (one per replica, the owner among them) hold the full master weight and
+broadcast it inside their replica; every other rank holds an empty placeholder (so
+``to_empty`` allocates and ``init_weights`` writes only there).
+
+Outside a boundary's active window the module holds ``owned`` (master or placeholder). Inside
+it the module holds ``unsharded``: a full-size parameter in the compute dtype whose storage is
+a view into its bucket's broadcast buffer; autograd accumulates this rank's gradient into
+``unsharded.grad``.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ class DedicatedParam:
         attr: str,
         param: nn.Parameter,
         owner: int,
-        rank: int,
+        shard_rank: int,
+        replicate_rank: int,
+        shard_size: int,
         boundary_index: int,
     ) -> None:
         self.index = index
@@ -55,14 +62,18 @@ class DedicatedParam:
         self.shape = torch.Size(param.shape)
         self.numel = param.numel()
         self.orig_dtype = param.dtype
-        self.owner = owner
-        self.is_owner = owner == rank
+        self.owner = owner  # the global slot: replicate index * shard_size + shard index
+        self.owner_replica, self.owner_shard = divmod(owner, shard_size)
+        #: this rank holds the full master weight (its replica's copy, or the owner's own)
+        self.holds_weight = shard_rank == self.owner_shard
+        #: this rank is the global owner: it keeps the optimizer state and steps the matrix
+        self.is_owner = self.holds_weight and replicate_rank == self.owner_replica
         self.boundary_index = boundary_index
         # Compute and reduce dtypes; FSDP2's MixedPrecisionPolicy of the nearest fully_shard
         # ancestor decides them at lazy init.
         self.param_dtype = param.dtype
         self.reduce_dtype = param.dtype
-        if self.is_owner:
+        if self.holds_weight:
             self.owned = param
         else:
             # Zero elements but the same trailing dims, so ``fan_in``-style initializers and
@@ -86,7 +97,7 @@ class DedicatedParam:
         current = self.module._parameters.get(self.attr)
         if current is self.owned or (current is not None and current is self.unsharded):
             return
-        expected = self.shape if self.is_owner else self.owned.shape
+        expected = self.shape if self.holds_weight else self.owned.shape
         if current is None or tuple(current.shape) != tuple(expected):
             raise RuntimeError(
                 f"dedicated parameter {self.fqn!r} was replaced on its module after "
@@ -98,7 +109,7 @@ class DedicatedParam:
         self.orig_dtype = current.dtype
 
     def check_materialized(self) -> None:
-        if self.is_owner and self.owned.is_meta:
+        if self.holds_weight and self.owned.is_meta:
             raise RuntimeError(
                 f"dedicated parameter {self.fqn!r} is still on the meta device; call "
                 "model.to_empty(device=...) and initialize the weights before the first forward"

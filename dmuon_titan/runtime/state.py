@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..plan import Plan
 from .collectives import Collectives
-from .group import BoundaryGroup, OwnerBucket, UnshardState
+from .group import BoundaryGroup, PendingReduce, UnshardState
 from .owned_param import DedicatedParam
 
 STATE_ATTR = "_dmuon_state"
@@ -43,6 +43,8 @@ class DMuonState:
         groups: list[BoundaryGroup],
         comm: Collectives,
         reshard_after_forward: bool,
+        replicate_mesh: DeviceMesh | None = None,
+        replicate_async: bool = True,
     ) -> None:
         self.root = root
         self.mesh = mesh
@@ -52,17 +54,23 @@ class DMuonState:
         self.comm = comm
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
-        self.rank = comm.rank
-        self.world_size = comm.world_size
+        self.replicate_mesh = replicate_mesh
+        self.replicate_async = replicate_async
+        self.shard_rank, self.replicate_rank = comm.ranks["shard"], comm.ranks["replicate"]
+        self.shard_size, self.replicate_size = comm.shard_size, comm.replicate_size
+        #: this rank's slot in the plan, and the number of slots (the data-parallel world)
+        self.rank = self.replicate_rank * self.shard_size + self.shard_rank
+        self.world_size = self.shard_size * self.replicate_size
         # Summed gradients are divided by this (FSDP2's gradient divide factor): the world size
         # averages; 1.0 sums, for losses already normalized globally (torchtitan does that).
-        self.gradient_divide_factor = float(comm.world_size)
+        self.gradient_divide_factor = float(self.world_size)
         self.device = comm.device
         self.forward_order: list[int] | None = None  # recorded on the first step
         self._step_sequence: list[int] = []
         self._end_of_backward_queued = False
-        self._pending_reduces: list[tuple[OwnerBucket, torch.Tensor | None, object]] = []
+        self._pending_reduces: list[PendingReduce] = []
         self._initialized = False
+        self._replicas_synced = False
 
     # ------------------------------------------------------------------ setup
     def lazy_init(self) -> None:
@@ -87,6 +95,9 @@ class DMuonState:
                 if p.unsharded.requires_grad:
                     p.unsharded.register_post_accumulate_grad_hook(_make_grad_hook(self, group, p))
         self._initialized = True
+        # Each replica's column rank ran init_weights with its own random stream: from here
+        # on every copy is the global owner's.
+        self.ensure_replicas_synced()
 
     def adopt_registered(self) -> None:
         """Track parameters that ``to_empty``/``.to()`` replaced on their modules."""
@@ -181,24 +192,63 @@ class DMuonState:
         self._end_of_backward_queued = False
 
     def finalize_reduces(self) -> None:
-        """Wait for issued reduces; owners turn them into ``owned.grad``.
+        """Wait for issued reduces; global owners turn them into ``owned.grad``.
 
         Whether any rank produced a gradient decides ``grad`` vs ``None`` on the host, so the
-        presence flags of all owned buckets come back in one device-to-host copy: the single
+        presence flags of all owned segments come back in one device-to-host copy: the single
         host synchronization of a step (at the end of backward), none in the hot loop.
         """
         pending, self._pending_reduces = self._pending_reduces, []
-        for _, _, handle in pending:
-            handle.wait()
-        owned = [(bucket, flat) for bucket, flat, _ in pending if flat is not None]
+        for item in pending:
+            for handle in item.handles:
+                handle.wait()
+        owned = [item for item in pending if item.members is not None]
         if not owned:
             return
-        flags = torch.cat([bucket.presence_flags(flat) for bucket, flat in owned]).tolist()
+        flags = torch.cat(
+            [item.segment[item.segment.numel() - len(item.members) :] for item in owned]
+        ).tolist()
         start = 0
-        for bucket, flat in owned:
-            n = len(bucket.params)
-            bucket.unpack_reduced(flat, self.gradient_divide_factor, flags[start : start + n])
+        for item in owned:
+            n = len(item.members)
+            item.bucket.unpack_reduced(
+                item.members, item.segment, self.gradient_divide_factor, flags[start : start + n]
+            )
             start += n
+
+    # ------------------------------------------------------------------ replicas
+    def after_step(self) -> None:
+        """Send the owners' updated masters to the other replicas: asynchronously (waited for
+        in the next forward of each boundary, hidden behind earlier layers), or right away
+        with ``replicate_async=False``."""
+        if self.replicate_size == 1:
+            return
+        for group in self.groups:
+            group.broadcast_updates(self.comm)
+        if not self.replicate_async:
+            self.wait_all_replicate_broadcasts()
+
+    def wait_all_replicate_broadcasts(self) -> None:
+        for group in self.groups:
+            group.wait_replicate()
+
+    def ensure_replicas_synced(self) -> None:
+        if not self._replicas_synced:
+            self.sync_replicas()
+
+    def mark_replicas_synced(self) -> None:
+        self._replicas_synced = True
+
+    def sync_replicas(self) -> None:
+        """Make every replica's master equal the global owner's, now (after init or a load)."""
+        self._replicas_synced = True
+        if self.replicate_size == 1:
+            return
+        for group in self.groups:
+            group.broadcast_updates(self.comm)
+        self.wait_all_replicate_broadcasts()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
 
     def zero_unsharded_grads(self) -> None:
         """Drop gradients accumulated locally (under ``no_sync``) but not reduced yet."""
@@ -209,6 +259,9 @@ class DMuonState:
     # ------------------------------------------------------------------ queries
     def owned_params(self) -> list[DedicatedParam]:
         return [p for p in self.params if p.is_owner]
+
+    def stats_per_rank(self) -> dict:
+        return self.comm.stats.as_dict()
 
 
 def _nearest_mp_policy(module: nn.Module, parents: dict[nn.Module, nn.Module]):
