@@ -1,11 +1,13 @@
 """dmuon_titan: Muon with dedicated matrix ownership on FSDP2, and a torchtitan plugin.
 
-Importing this package makes FSDP2's ``fully_shard`` skip dedicated parameters.
+Importing this package makes FSDP2's ``fully_shard`` and composable ``replicate`` (DDP) skip
+dedicated parameters.
 """
 
-from .runtime.fsdp import install_fully_shard_patch
+from .runtime.fsdp import install_fully_shard_patch, install_replicate_patch
 
 install_fully_shard_patch()
+install_replicate_patch()
 
 from .api import (  # noqa: E402
     dedicate_params,

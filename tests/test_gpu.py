@@ -49,6 +49,18 @@ def test_parity_nccl(references, bf16_tolerance):  # noqa: F811
     assert not failures, "\n".join(failures)
 
 
+def test_replicate_only_parity_nccl(references):  # noqa: F811
+    """2 GPUs as 2 replicas x 1 shard (DDP-style): parity, and async == sync."""
+    exact = RunConfig(param_dtype=torch.float64, ns_dtype=torch.float64, device="cuda", replicate=2)
+    configs = [exact, with_(exact, replicate_async=False)]
+    results = run_ranks(parity_suite, 2, configs, backend="nccl", timeout=600)[0]
+    errors = relative_errors(results[0], *references["z3"])
+    print(f"replicate-only 2x1, NCCL: worst {max(errors.values()):.2e}")
+    assert max(errors.values()) <= 1e-10
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k]), k
+
+
 def test_bytes_and_storage_nccl():
     exact = RunConfig(param_dtype=torch.float64, ns_dtype=torch.float64, device="cuda")
     configs = [with_(exact, reshard_after_forward=False), exact]

@@ -55,6 +55,10 @@ def test_checkpoint_after_async_step_and_resume_on_another_layout(tmp_path, refe
     loaded = run_ranks(dcp_load, 2, with_(EXACT, replicate=1), str(tmp_path))[0]
     for k, v in out[0]["model"].items():
         assert torch.equal(v, loaded["model"][k]), k
+    # and back onto 2x2: the owner-only load reaches the other replica's copies too
+    for r in run_ranks(dcp_load, 4, with_(EXACT, replicate=2), str(tmp_path)):
+        for k, v in out[0]["model"].items():
+            assert torch.equal(v, r["model"][k]), k
     saved_state = out[0]["optim"]["state"]
     assert sum("momentum_buffer" in e for e in saved_state.values()) == 21
     for fqn, entry in saved_state.items():

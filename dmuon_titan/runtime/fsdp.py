@@ -51,3 +51,32 @@ def install_fully_shard_patch() -> None:
             fn = getattr(namespace, name, None)
             if fn is not None and not getattr(fn, _PATCHED_FLAG, False):
                 setattr(namespace, name, _wrap(fn, recurse))
+
+
+def _skip_dedicated_in_replicate(collect):
+    """``replicate`` (composable DDP) collects its parameters with ``_collect_params``; at the
+    root call, add the dedicated ones to the ignored set it threads through the recursion."""
+
+    @functools.wraps(collect)
+    def wrapper(self, module, ignored_modules, ignored_params, *args, **kwargs):
+        if not getattr(self, "_dmuon_ignored_added", False):
+            self._dmuon_ignored_added = True
+            ignored_params.update(_with_dedicated_ignored([module], set(), recurse=True) or ())
+        return collect(self, module, ignored_modules, ignored_params, *args, **kwargs)
+
+    setattr(wrapper, _PATCHED_FLAG, True)
+    return wrapper
+
+
+def install_replicate_patch() -> None:
+    """Idempotent: keep composable ``replicate`` (torchtitan's DDP) off dedicated params."""
+    import importlib
+
+    try:  # (the package re-exports the function under the module's name)
+        replicate_module = importlib.import_module("torch.distributed._composable.replicate")
+    except ImportError:  # pragma: no cover - a torch without it
+        return
+    state_cls = getattr(replicate_module, "_ReplicateState", None)
+    collect = getattr(state_cls, "_collect_params", None)
+    if collect is not None and not getattr(collect, _PATCHED_FLAG, False):
+        state_cls._collect_params = _skip_dedicated_in_replicate(collect)

@@ -52,6 +52,11 @@ class DMuon:
     """True (Z3): free non-owned matrices after forward and re-broadcast them before backward.
     False (Z2): keep them from forward until the block's backward (less traffic, more memory)."""
 
+    replicate_async: bool = True
+    """With replicas (HSDP, DDP): send each owner's updated matrices to the other replicas
+    asynchronously after the step, waited for in the next forward of their block (hidden
+    behind earlier blocks). False waits right away (debugging; bit-identical results)."""
+
     lr: float | None = None
     """Muon learning rate. Default: [optimizer] lr, which with adjust_lr_fn = "match_rms_adamw"
     gives Muon updates the RMS of AdamW's, so AdamW's tuned lr carries over."""
@@ -124,6 +129,7 @@ def validate(cfg: DMuon) -> None:
     choice("ns_dtype", NS_DTYPES)
     choice("adjust_lr_fn", [f for f in ADJUST_LR_FNS if f is not None])
     boolean("reshard_after_forward")
+    boolean("replicate_async")
     boolean("nesterov")
     number("momentum", 0.0, high_open=1.0)
     number("ns_eps", 0.0, low_open=True)

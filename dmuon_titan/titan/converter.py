@@ -35,12 +35,12 @@ def check_compatibility(job_config, parallel_dims) -> None:
         "parallelism.pipeline_parallel_degree": p.pipeline_parallel_degree,
         "parallelism.context_parallel_degree": p.context_parallel_degree,
         "parallelism.expert_parallel_degree": p.expert_parallel_degree,
-        "parallelism.data_parallel_replicate_degree": p.data_parallel_replicate_degree,
     }
     for key, value in unsupported.items():
         if value not in (1, None):
             raise ConfigError(
-                f"{key} = {value}: not supported with DMuon (only data-parallel FSDP)"
+                f"{key} = {value}: not supported with DMuon (data parallelism only: FSDP, "
+                "HSDP or DDP)"
             )
     if cfg.mode == "dedicated":
         quantizers = [c for c in job_config.model.converters if c.startswith("quantize.")]
@@ -81,15 +81,17 @@ def param_predicate(patterns: list[str], model: nn.Module):
     return predicate
 
 
-def dp_mesh(parallel_dims):
-    """The 1-D data-parallel (FSDP) mesh; a one-rank mesh when there is no data parallelism."""
-    mesh = parallel_dims.get_optional_mesh("fsdp")
-    if mesh is not None:
-        return mesh
-    from torch.distributed.device_mesh import init_device_mesh
-    from torchtitan.tools import utils
+def dp_meshes(parallel_dims):
+    """(shard mesh, replicate mesh) for torchtitan's data-parallel layout: FSDP (fsdp, None),
+    HSDP (fsdp, dp_replicate), DDP (None, dp_replicate), one device (a one-rank mesh, None)."""
+    shard = parallel_dims.get_optional_mesh("fsdp")
+    replicate = parallel_dims.get_optional_mesh("dp_replicate")
+    if shard is None and replicate is None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torchtitan.tools import utils
 
-    return init_device_mesh(utils.device_type, (1,), mesh_dim_names=("fsdp",))
+        shard = init_device_mesh(utils.device_type, (1,), mesh_dim_names=("fsdp",))
+    return shard, replicate
 
 
 class DMuonConverter:
@@ -109,12 +111,15 @@ class DMuonConverter:
             logger.info("DMuon naive mode: every parameter stays on FSDP2")
             return
         boundary = (lambda m: True) if cfg.hook_boundary == "module" else None
+        shard_mesh, replicate_mesh = dp_meshes(self.parallel_dims)
         dedicate_params(
             model,
-            dp_mesh(self.parallel_dims),
+            shard_mesh,
             predicate,
             hook_boundary_predicate=boundary,
             reshard_after_forward=cfg.reshard_after_forward,
+            replicate_mesh=replicate_mesh,
+            replicate_async=cfg.replicate_async,
             small_param_numel=cfg.small_param_numel,
         )
         training = self.job_config.training
@@ -126,7 +131,8 @@ class DMuonConverter:
         ACTIVE.setdefault("models", []).append(model)
         loads = summary["ns_flops_per_rank"]
         logger.info(
-            f"DMuon: {summary['num_params']} matrices on {summary['world_size']} ranks, "
+            f"DMuon: {summary['num_params']} matrices on {summary['world_size']} ranks "
+            f"({summary['replicate_size']} replicas x {summary['shard_size']} shards), "
             f"{len(summary['boundaries'])} hook boundaries, NS GFLOP per rank "
             f"{[round(x / 1e9, 1) for x in loads]} (imbalance {summary['imbalance']:.3f}), "
             f"{summary['bytes_per_rank_per_step']['total'] / 2**20:.1f} MiB per rank per step "

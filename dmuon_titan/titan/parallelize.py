@@ -2,7 +2,7 @@
 
 - gloo (CPU) lacks ``PREMUL_SUM``, which torchtitan's FSDP settings select: force plain sums.
 - torchtitan normalizes the loss by the global token count and sets FSDP's gradient divide
-  factor to 1 (sum); dedicated gradients must be summed the same way.
+  factor to 1 (sum); its DDP averages. Dedicated gradients are scaled the same way.
 - ``torch.compile`` of a block with ``fullgraph=True`` would trace DMuon's hooks: move them to
   the compiled wrapper, outside the compiled region (FSDP2's hooks live outside it too).
 """
@@ -27,7 +27,10 @@ def wrap_parallelize(parallelize_fn):
                 if isinstance(m, FSDPModule):
                     m.set_force_sum_reduction_for_comms(True)
         if getattr(model, STATE_ATTR, None) is not None:
-            set_gradient_divide_factor(model, 1.0)
+            # Match the other parameters: FSDP/HSDP sum (torchtitan sets divide factor 1, its
+            # loss is normalized by the global token count); DDP averages over replicas.
+            replicas = parallel_dims.dp_replicate if not parallel_dims.fsdp_enabled else 1
+            set_gradient_divide_factor(model, float(replicas))
             move_hooks_outside_compile(model)
         return model
 
