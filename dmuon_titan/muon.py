@@ -127,12 +127,6 @@ class Muon(torch.optim.Optimizer):
         others = [p for p in model.parameters() if p.requires_grad and not is_dedicated(p)]
         return dedicated, others
 
-    @property
-    def _owned(self) -> dict[int, torch.Tensor]:
-        if self._dmuon is None:
-            return {}
-        return {id(p.owned): p.owned for p in self._dmuon.params if p.is_owner}
-
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
@@ -161,11 +155,25 @@ class Muon(torch.optim.Optimizer):
         (Newton–Schulz only) and ``adamw``. Synchronizes once on CUDA: call it when logging."""
         return self.timer.milliseconds()
 
+    def _stepped_ids(self) -> set[int]:
+        """ids of the Muon-group parameters this rank updates: the matrices it owns."""
+        if self._dmuon is None:
+            return set()
+        return {id(p.owned) for p in self._dmuon.params if p.is_owner}
+
+    def _gather(self, direction: torch.Tensor) -> torch.Tensor:
+        """The whole matrix to orthogonalize (an owner already holds it whole)."""
+        return direction
+
+    def _scatter(self, param: torch.Tensor, ortho: torch.Tensor):
+        """(the tensor to update, its part of ``ortho``): the whole matrix for an owner."""
+        return param, ortho
+
     def _muon_step(self, group: dict[str, Any]) -> None:
         coefficients = ns.normalize_coefficients(group["ns_coefficients"])
-        owned = self._owned
+        stepped = self._stepped_ids()
         for p in group["params"]:
-            if p.grad is None or owned.get(id(p)) is not p:
+            if p.grad is None or id(p) not in stepped:
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
@@ -173,17 +181,20 @@ class Muon(torch.optim.Optimizer):
             direction = ns.momentum_direction(
                 p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]
             )
+            full = self._gather(direction)
             self.timer.start("ns")
             ortho = ns.zeropower_via_newtonschulz(
-                direction, coefficients, group["ns_steps"], group["eps"], group["ns_dtype"]
+                full, coefficients, group["ns_steps"], group["eps"], group["ns_dtype"]
             )
             self.timer.stop("ns")
+            target, ortho = self._scatter(p, ortho)
             ns.apply_update(
-                p,
+                target,
                 ortho,
                 lr=group["lr"],
                 weight_decay=group["weight_decay"],
                 adjust_lr_fn=group["adjust_lr_fn"],
+                shape=p.shape,
             )
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
@@ -240,20 +251,15 @@ class Muon(torch.optim.Optimizer):
         this changes no future update; it gives checkpoint loading tensors to load into.
         Collective-free, like ``step()``.
         """
-        owned = self._owned
+        stepped = self._stepped_ids()
         for group in self.param_groups:
             for p in group["params"]:
                 if not group["use_muon"]:
                     self._adamw_state(p, group)
-                elif owned.get(id(p)) is p and "momentum_buffer" not in self.state[p]:
+                elif id(p) in stepped and "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(
                         p, memory_format=torch.preserve_format
                     )
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
-        if self._dmuon is not None:
-            self._dmuon.zero_unsharded_grads()
 
 
 def _validate_hyperparameters(**kw: Any) -> None:

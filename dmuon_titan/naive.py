@@ -10,13 +10,11 @@ against.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from . import ns
 from .api import clean_fqn
 from .muon import Muon
 
@@ -48,41 +46,14 @@ class NaiveMuon(Muon):
                 others.append(p)
         return muon, others
 
-    def _muon_step(self, group: dict[str, Any]) -> None:
-        coefficients = ns.normalize_coefficients(group["ns_coefficients"])
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            direction = ns.momentum_direction(
-                p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]
-            )
-            full = direction.full_tensor() if isinstance(direction, DTensor) else direction
-            self.timer.start("ns")
-            ortho = ns.zeropower_via_newtonschulz(
-                full, coefficients, group["ns_steps"], group["eps"], group["ns_dtype"]
-            )
-            self.timer.stop("ns")
-            local = p
-            if isinstance(p, DTensor):
-                ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
-                ortho, local = ortho.to_local(), p.to_local()
-            ns.apply_update(
-                local,
-                ortho,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                adjust_lr_fn=group["adjust_lr_fn"],
-                shape=p.shape,
-            )
+    def _stepped_ids(self) -> set[int]:
+        return {id(p) for p in self.param_groups[0]["params"]}  # every rank steps every matrix
 
-    @torch.no_grad()
-    def materialize_state(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not group["use_muon"]:
-                    self._adamw_state(p, group)
-                elif "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    def _gather(self, direction: torch.Tensor) -> torch.Tensor:
+        return direction.full_tensor() if isinstance(direction, DTensor) else direction
+
+    def _scatter(self, param: torch.Tensor, ortho: torch.Tensor):
+        if not isinstance(param, DTensor):
+            return param, ortho
+        ortho = distribute_tensor(ortho, param.device_mesh, param.placements, src_data_rank=None)
+        return param.to_local(), ortho.to_local()

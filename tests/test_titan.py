@@ -108,7 +108,9 @@ def test_toy_dmuon_trains_checkpoints_and_resumes(tokenizer_dir, tmp_path):
     ]
     a, b = tmp_path / "a", tmp_path / "b"
     out = run_ok(2, *toy_args(tokenizer_dir, a, *common, "--training.steps", "20"))
-    assert "DMuon: 42 matrices on 2 ranks, 6 hook boundaries" in out  # the partition, at start-up
+    assert (
+        "DMuon: 42 matrices on 2 ranks (1 replica x 2 shards), 6 hook boundaries" in out
+    )  # the partition, at start-up
     assert "dmuon step: 20  optimizer:" in out  # the per-step line
     for tag in ("dmuon/optimizer_ms", "dmuon/ns_ms"):
         times = tb_scalars(a, tag)
@@ -386,6 +388,6 @@ def test_ddp_toy_trains(tokenizer_dir, tmp_path):
             "1",
         ),
     )
-    assert "DMuon: 42 matrices on 2 ranks (2 replicas x 1 shards)" in out
+    assert "DMuon: 42 matrices on 2 ranks (2 replicas x 1 shard)" in out
     losses = tb_losses(tmp_path)
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]

@@ -94,6 +94,10 @@ def dp_meshes(parallel_dims):
     return shard, replicate
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
 class DMuonConverter:
     """``[model] converters = ["dmuon"]``."""
 
@@ -132,7 +136,8 @@ class DMuonConverter:
         loads = summary["ns_flops_per_rank"]
         logger.info(
             f"DMuon: {summary['num_params']} matrices on {summary['world_size']} ranks "
-            f"({summary['replicate_size']} replicas x {summary['shard_size']} shards), "
+            f"({_count(summary['replicate_size'], 'replica')} x "
+            f"{_count(summary['shard_size'], 'shard')}), "
             f"{len(summary['boundaries'])} hook boundaries, NS GFLOP per rank "
             f"{[round(x / 1e9, 1) for x in loads]} (imbalance {summary['imbalance']:.3f}), "
             f"{summary['bytes_per_rank_per_step']['total'] / 2**20:.1f} MiB per rank per step "
