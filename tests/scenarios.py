@@ -244,3 +244,22 @@ def hsdp_after_async_step(rank: int, world_size: int, cfg: RunConfig, path: str)
         checkpoint_id=path,
     )
     return {**full, "stats": stats, "summary": dmuon.summarize_plan(model)}
+
+
+def step_is_collective_free(rank: int, world_size: int, cfg: RunConfig) -> dict:
+    """``step()`` on one rank only, with no gradients, returns (no collective inside); with
+    zero gradients and lr 0 on every rank (what torch's optimizer-state-dict code does) it
+    changes no weight."""
+    model, optimizer = build_dmuon(cfg, world_size)
+    train_step(cfg, model, optimizer, 0, rank, world_size)
+    before = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        optimizer.step()  # the other ranks do not call it: must not hang
+    dist.barrier()
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    after = dmuon.get_model_state_dict(model)
+    return {k: torch.equal(v, after[k]) for k, v in before.items()}

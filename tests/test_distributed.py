@@ -14,6 +14,7 @@ from .scenarios import (
     plan_mismatch,
     resume_load,
     resume_save,
+    step_is_collective_free,
 )
 from .test_parity import relative_errors
 from .toy_model import ToyTransformer, loss_fn
@@ -150,3 +151,8 @@ def test_dcp_owner_only_checkpoint_reshards(tmp_path, save_on, load_on):
     for k, entry in saved["optim"]["state"].items():
         for name, v in entry.items():
             assert torch.equal(v, loaded["optim"]["state"][k][name]), (k, name)
+
+
+def test_step_without_grads_is_local_and_a_no_op():
+    for unchanged in run_ranks(step_is_collective_free, 3, EXACT, timeout=120):
+        assert all(unchanged.values()), [k for k, v in unchanged.items() if not v]
