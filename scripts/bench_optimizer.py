@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""Optimizer benchmark on an FSDP2 stack of llama3-shaped matrices, all variants in one run.
+
+Each variant gets a fresh model of the same shapes (32 blocks × 7 matrices for "8B"), the
+same inputs, and a few timed steps after warm-up: forward+backward of a cheap forward (a few
+tokens, so the time is dominated by each variant's communication and bookkeeping), and the
+optimizer step, timed with CUDA events (median). Variants:
+
+- ``adamw``: every matrix on FSDP2, fused ``torch.optim.AdamW``;
+- ``dmuon_z3`` / ``dmuon_z2``: DMuon (dedicated owners, bf16 Newton–Schulz);
+- ``naive``: every matrix on FSDP2, all-gather + Newton–Schulz on every rank;
+- ``ns_floor``: only Newton–Schulz (bf16, 5 steps) of this rank's share of the matrices under
+  DMuon's partition, no communication, no momentum: the plain-NS floor.
+
+    torchrun --standalone --nproc_per_node=2 scripts/bench_optimizer.py --model 8B
+    torchrun --standalone --nproc_per_node=2 scripts/bench_optimizer.py --model tiny   # CPU smoke
+
+Prints one markdown table with ratios to AdamW; ``--json PATH`` writes the raw numbers.
+Peers on PyPI (torchtitan 0.3.0 DistMuon, muon-fsdp2) are not wired in yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dmuon_titan as dmuon
+from dmuon_titan.naive import NaiveMuon
+
+SHAPES = {  # n_layers, dim, kv_dim, ffn_hidden
+    "8B": (32, 4096, 1024, 14336),
+    "1B": (16, 2048, 512, 8192),
+    "tiny": (4, 256, 64, 768),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, kv: int, ffn: int) -> None:
+        super().__init__()
+        self.wq, self.wo = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.wk, self.wv = nn.Linear(dim, kv, bias=False), nn.Linear(dim, kv, bias=False)
+        self.w1, self.w3 = nn.Linear(dim, ffn, bias=False), nn.Linear(dim, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Every matrix takes part (wk/wv through a zero-weighted term, so they get gradients).
+        side = (self.wk(x).sum(-1, keepdim=True) + self.wv(x).sum(-1, keepdim=True)) * 0.0
+        h = x + self.wo(self.wq(x)) + side
+        return h + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Stack(nn.Module):
+    def __init__(self, n_layers: int, dim: int, kv: int, ffn: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(dim, kv, ffn) for _ in range(n_layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(True), torch.cuda.Event(True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def ms(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end)
+        return (self.t1 - self.t0) * 1e3
+
+
+def build(variant: str, shape, mesh, device):
+    with torch.device("meta"):
+        model = Stack(*shape)
+    if variant.startswith("dmuon"):
+        dmuon.dedicate_params(
+            model, mesh, lambda n, p: p.ndim == 2, reshard_after_forward=variant == "dmuon_z3"
+        )
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if device.type == "cpu":
+        for m in model.modules():
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.numel():
+                local.normal_(0.0, 0.02)
+    if variant == "adamw":
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=1e-4, fused=device.type == "cuda", foreach=device.type != "cuda"
+        )
+    elif variant == "naive":
+        optimizer = NaiveMuon(model, lambda n, p: p.ndim == 2, lr=1e-3, adamw_lr=1e-4)
+    else:
+        optimizer = dmuon.Muon(model, lr=1e-3, adamw_lr=1e-4)
+    return model, optimizer
+
+
+def run_ns_floor(shape, device, warmup, steps) -> dict:
+    from dmuon_titan.ns import JORDAN_COEFFICIENTS, zeropower_via_newtonschulz
+    from dmuon_titan.plan import ParamSpec, plan_partition
+
+    with torch.device("meta"):
+        model = Stack(*shape)
+    specs = [ParamSpec(n, tuple(p.shape), n.rsplit(".", 2)[0]) for n, p in model.named_parameters()]
+    plan = plan_partition(specs, dist.get_world_size())
+    mine = [s.shape for s, o in zip(plan.specs, plan.owners, strict=True) if o == dist.get_rank()]
+    mats = [torch.randn(s, device=device) for s in mine]
+    times = []
+    for i in range(warmup + steps):
+        with Timer(device) as t:
+            for m in mats:
+                zeropower_via_newtonschulz(m, (JORDAN_COEFFICIENTS,), 5, 1e-7, torch.bfloat16)
+        if i >= warmup:
+            times.append(t.ms())
+    del mats
+    slowest = torch.tensor([statistics.median(times)], device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {
+        "variant": "ns_floor",
+        "fwd_bwd_ms": 0.0,
+        "step_ms": slowest.item(),
+        "ns_ms": slowest.item(),
+        "peak_gib": float("nan"),
+    }
+
+
+def run_variant(variant, shape, mesh, device, tokens, warmup, steps) -> dict:
+    if variant == "ns_floor":
+        return run_ns_floor(shape, device, warmup, steps)
+    model, optimizer = build(variant, shape, mesh, device)
+    x = torch.randn(tokens, shape[1], device=device, generator=None)
+    fwd_bwd, step, ns = [], [], []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup + steps):
+        with Timer(device) as t_fb:
+            model(x).float().square().mean().backward()
+        with Timer(device) as t_step:
+            optimizer.step()
+        optimizer.zero_grad()
+        if i >= warmup:
+            fwd_bwd.append(t_fb.ms())
+            step.append(t_step.ms())
+            if hasattr(optimizer, "step_timings"):
+                ns.append(optimizer.step_timings().get("ns", 0.0))
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    del model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "variant": variant,
+        "fwd_bwd_ms": statistics.median(fwd_bwd),
+        "step_ms": statistics.median(step),
+        "ns_ms": statistics.median(ns) if ns else None,
+        "peak_gib": peak,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), default="8B")
+    parser.add_argument("--variants", default="adamw,dmuon_z3,dmuon_z2,naive,ns_floor")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    shape = SHAPES[args.model]
+    rows = [
+        run_variant(v, shape, mesh, device, args.tokens, args.warmup, args.steps)
+        for v in args.variants.split(",")
+    ]
+    if dist.get_rank() == 0:
+        base = next((r for r in rows if r["variant"] == "adamw"), rows[0])
+        print(
+            f"\nllama3-{args.model} matrix stack, {world} x {torch.cuda.get_device_name() if cuda else 'CPU'}, "
+            f"{args.tokens} tokens, median of {args.steps} steps after {args.warmup} warm-up"
+        )
+        print(
+            "| variant | fwd+bwd (ms) | optimizer step (ms) | of which NS (ms) | step / AdamW step | total / AdamW total | peak (GiB) |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for r in rows:
+            total = r["fwd_bwd_ms"] + r["step_ms"]
+            base_total = base["fwd_bwd_ms"] + base["step_ms"]
+            ns = "-" if r["ns_ms"] is None else f"{r['ns_ms']:.1f}"
+            print(
+                f"| {r['variant']} | {r['fwd_bwd_ms']:.1f} | {r['step_ms']:.1f} | {ns} | "
+                f"{r['step_ms'] / base['step_ms']:.2f} | {total / base_total:.2f} | {r['peak_gib']:.1f} |"
+            )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "world": world, "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
