@@ -143,13 +143,11 @@ def dedicate_params(
     ]
     state = DMuonState(
         model,
-        mesh,
         plan,
         params,
         groups,
         comm,
         reshard_after_forward,
-        replicate_mesh=replicate_mesh,
         replicate_async=replicate_async,
     )
     for g in groups:
@@ -256,7 +254,8 @@ def set_gradient_divide_factor(model: nn.Module, factor: float) -> None:
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    for attr in ("_orig_mod", "_checkpoint_wrapped_module"):
+    """The module inside compile / activation-checkpoint / FSDP1 wrappers."""
+    for attr in _WRAPPER_SEGMENTS:
         inner = module._modules.get(attr)
         if inner is not None:
             return _unwrap(inner)

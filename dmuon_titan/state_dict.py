@@ -79,7 +79,7 @@ def _shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- helpers
-def _load_into(key: str, target: torch.Tensor, value: torch.Tensor) -> None:
+def _load_into(target: torch.Tensor, value: torch.Tensor) -> None:
     """Copy ``value`` into the live ``target`` (nothing to do when DCP loaded it in place)."""
     if value is target:
         return
@@ -162,7 +162,7 @@ def set_model_state_dict(
     for key, (target, p) in entries.items():
         if key not in state_dict or (p is not None and not p.holds_weight):
             continue
-        _load_into(key, target.detach() if p is None else target, state_dict[key])
+        _load_into(target.detach() if p is None else target, state_dict[key])
     state = _state(model)
     if state is not None:
         # The full form reached every replica's column rank; the owner-only form only the
@@ -285,7 +285,7 @@ def _set_sharded_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_d
             group, name = group_keys[key]
             group[name] = value
         elif isinstance(target, torch.Tensor):
-            _load_into(key, target, value)
+            _load_into(target, value)
 
 
 def _set_full_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: dict) -> None:

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -36,6 +35,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon_titan as dmuon
 from dmuon_titan.naive import NaiveMuon
+from dmuon_titan.timing import PhaseTimer
 
 SHAPES = {  # n_layers, dim, kv_dim, ffn_hidden
     "8B": (32, 4096, 1024, 14336),
@@ -68,31 +68,6 @@ class Stack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
-
-
-class Timer:
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(True), torch.cuda.Event(True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.cuda:
-            self.end.record()
-        else:
-            self.t1 = time.perf_counter()
-
-    def ms(self) -> float:
-        if self.cuda:
-            self.end.synchronize()
-            return self.start.elapsed_time(self.end)
-        return (self.t1 - self.t0) * 1e3
 
 
 def build(variant: str, shape, mesh, device):
@@ -137,13 +112,15 @@ def run_ns_floor(shape, device, warmup, steps) -> dict:
     plan = plan_partition(specs, dist.get_world_size())
     mine = [s.shape for s, o in zip(plan.specs, plan.owners, strict=True) if o == dist.get_rank()]
     mats = [torch.randn(s, device=device) for s in mine]
-    times = []
+    times, timer = [], PhaseTimer(device)
     for i in range(warmup + steps):
-        with Timer(device) as t:
-            for m in mats:
-                zeropower_via_newtonschulz(m, (JORDAN_COEFFICIENTS,), 5, 1e-7, torch.bfloat16)
+        timer.reset()
+        timer.start("ns")
+        for m in mats:
+            zeropower_via_newtonschulz(m, (JORDAN_COEFFICIENTS,), 5, 1e-7, torch.bfloat16)
+        timer.stop("ns")
         if i >= warmup:
-            times.append(t.ms())
+            times.append(timer.milliseconds()["ns"])
     del mats
     slowest = torch.tensor([statistics.median(times)], device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -164,15 +141,20 @@ def run_variant(variant, shape, mesh, device, tokens, warmup, steps) -> dict:
     fwd_bwd, step, ns = [], [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    timer = PhaseTimer(device)
     for i in range(warmup + steps):
-        with Timer(device) as t_fb:
-            model(x).float().square().mean().backward()
-        with Timer(device) as t_step:
-            optimizer.step()
+        timer.reset()
+        timer.start("fwd_bwd")
+        model(x).float().square().mean().backward()
+        timer.stop("fwd_bwd")
+        timer.start("step")
+        optimizer.step()
+        timer.stop("step")
         optimizer.zero_grad()
         if i >= warmup:
-            fwd_bwd.append(t_fb.ms())
-            step.append(t_step.ms())
+            ms = timer.milliseconds()
+            fwd_bwd.append(ms["fwd_bwd"])
+            step.append(ms["step"])
             if hasattr(optimizer, "step_timings"):
                 ns.append(optimizer.step_timings().get("ns", 0.0))
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")

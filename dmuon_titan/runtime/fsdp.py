@@ -19,12 +19,19 @@ from .owned_param import dedicated_params_of, is_dedicated
 _PATCHED_FLAG = "_dmuon_patched"
 
 
-def _with_dedicated_ignored(modules, ignored_params, recurse: bool):
+def _dedicated_in(modules, recurse: bool) -> set[nn.Parameter]:
+    """Dedicated parameters of ``modules`` (and their subtrees when ``recurse``): those in a
+    dedicated slot, and any carrying the owner mark."""
     dedicated = set()
     for root in modules:
         for m in root.modules() if recurse else (root,):
             dedicated.update(dedicated_params_of(m))
             dedicated.update(p for p in m.parameters(recurse=False) if is_dedicated(p))
+    return dedicated
+
+
+def _with_dedicated_ignored(modules, ignored_params, recurse: bool):
+    dedicated = _dedicated_in(modules, recurse)
     if not dedicated:
         return ignored_params
     return set(ignored_params or ()) | dedicated
@@ -61,7 +68,7 @@ def _skip_dedicated_in_replicate(collect):
     def wrapper(self, module, ignored_modules, ignored_params, *args, **kwargs):
         if not getattr(self, "_dmuon_ignored_added", False):
             self._dmuon_ignored_added = True
-            ignored_params.update(_with_dedicated_ignored([module], set(), recurse=True) or ())
+            ignored_params.update(_dedicated_in([module], recurse=True))
         return collect(self, module, ignored_modules, ignored_params, *args, **kwargs)
 
     setattr(wrapper, _PATCHED_FLAG, True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.distributed.device_mesh import DeviceMesh
 
 from ..plan import Plan
 from .collectives import Collectives
@@ -37,24 +36,20 @@ class DMuonState:
     def __init__(
         self,
         root: nn.Module,
-        mesh: DeviceMesh,
         plan: Plan,
         params: list[DedicatedParam],
         groups: list[BoundaryGroup],
         comm: Collectives,
         reshard_after_forward: bool,
-        replicate_mesh: DeviceMesh | None = None,
         replicate_async: bool = True,
     ) -> None:
         self.root = root
-        self.mesh = mesh
         self.plan = plan
         self.params = params
         self.groups = groups
         self.comm = comm
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
-        self.replicate_mesh = replicate_mesh
         self.replicate_async = replicate_async
         self.shard_rank, self.replicate_rank = comm.ranks["shard"], comm.ranks["replicate"]
         self.shard_size, self.replicate_size = comm.shard_size, comm.replicate_size
@@ -259,9 +254,6 @@ class DMuonState:
     # ------------------------------------------------------------------ queries
     def owned_params(self) -> list[DedicatedParam]:
         return [p for p in self.params if p.is_owner]
-
-    def stats_per_rank(self) -> dict:
-        return self.comm.stats.as_dict()
 
 
 def _nearest_mp_policy(module: nn.Module, parents: dict[nn.Module, nn.Module]):
