@@ -28,6 +28,12 @@ from .parallelize import wrap_parallelize
 #: Train specs whose builders learn DMuon (models of torchtitan 0.2.2 with llama-style blocks).
 MODEL_NAMES = ("llama3",)
 
+#: Extra llama3 flavors for the loss-curve comparison (``[model] flavor = "170M"``): 12 blocks
+#: of width 1024 on an 8192-token BPE vocabulary, 171 M parameters, sized for one H200.
+EXTRA_LLAMA3_FLAVORS = {
+    "170M": dict(dim=1024, n_layers=12, n_heads=16, vocab_size=8192, rope_theta=500000),
+}
+
 _installed = False
 
 
@@ -43,6 +49,7 @@ def install() -> None:
     )
 
     install_cpu_device()
+    _add_llama3_flavors()
     if "dmuon" not in _registry_model_converter_cls:
         register_model_converter(DMuonConverter, "dmuon")
     for name in MODEL_NAMES:
@@ -62,6 +69,14 @@ def install() -> None:
     install_clip()
     register_datasets()
     _installed = True
+
+
+def _add_llama3_flavors() -> None:
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+
+    for flavor, kwargs in EXTRA_LLAMA3_FLAVORS.items():
+        llama3_args.setdefault(flavor, TransformerModelArgs(**kwargs))
 
 
 install()
