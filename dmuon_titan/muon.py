@@ -24,6 +24,9 @@ from .timing import PhaseTimer
 MUON_GROUP = 0
 ADAMW_GROUP = 1
 
+#: Default chunk of batched Newton–Schulz: 2**27 elements (512 MiB of fp32 directions).
+DEFAULT_NS_BATCH_NUMEL = 2**27
+
 
 class Muon(torch.optim.Optimizer):
     """DMuon: ``torch.optim.Muon`` semantics on dedicated matrices, AdamW on the rest.
@@ -41,6 +44,9 @@ class Muon(torch.optim.Optimizer):
             ``adjust_lr_fn="match_rms_adamw"`` (where the two are meant to be equal).
         adamw_betas, adamw_eps, adamw_weight_decay: AdamW hyper-parameters.
         adamw_foreach, adamw_fused: AdamW implementation switches (as ``torch.optim.AdamW``).
+        ns_batch_numel: same-shape matrices are orthogonalized together, as one batched
+            Newton–Schulz, in chunks of at most this many elements (small matrices are far
+            from the matmul rate one at a time); 0 runs one matrix at a time.
     """
 
     def __init__(
@@ -62,6 +68,7 @@ class Muon(torch.optim.Optimizer):
         *,
         adamw_foreach: bool | None = None,
         adamw_fused: bool | None = None,
+        ns_batch_numel: int = DEFAULT_NS_BATCH_NUMEL,
     ) -> None:
         if adamw_lr is None:
             if adjust_lr_fn != "match_rms_adamw":
@@ -84,6 +91,15 @@ class Muon(torch.optim.Optimizer):
             adamw_weight_decay=adamw_weight_decay,
         )
         ns.normalize_coefficients(ns_coefficients)  # validates; raises naming the value
+        if (
+            isinstance(ns_batch_numel, bool)
+            or not isinstance(ns_batch_numel, int)
+            or ns_batch_numel < 0
+        ):
+            raise ValueError(f"ns_batch_numel must be an integer >= 0, got {ns_batch_numel!r}")
+        #: Not a param-group entry: it changes no result's math, only the batching, so it
+        #: stays out of optimizer state dicts.
+        self.ns_batch_numel = ns_batch_numel
         self._dmuon: DMuonState | None = getattr(model, STATE_ATTR, None)
         if self._dmuon is not None:
             self._dmuon.adopt_registered()
@@ -172,30 +188,43 @@ class Muon(torch.optim.Optimizer):
     def _muon_step(self, group: dict[str, Any]) -> None:
         coefficients = ns.normalize_coefficients(group["ns_coefficients"])
         stepped = self._stepped_ids()
-        for p in group["params"]:
-            if p.grad is None or id(p) not in stepped:
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            direction = ns.momentum_direction(
-                p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]
-            )
-            full = self._gather(direction)
+        todo = [p for p in group["params"] if p.grad is not None and id(p) in stepped]
+        for chunk in ns_chunks(todo, self.ns_batch_numel):
+            # Directions are made chunk by chunk: at most one chunk of them is alive at once.
+            fulls = [self._gather(self._direction(p, group)) for p in chunk]
             self.timer.start("ns")
-            ortho = ns.zeropower_via_newtonschulz(
-                full, coefficients, group["ns_steps"], group["eps"], group["ns_dtype"]
-            )
+            if len(fulls) == 1:
+                orthos = [
+                    ns.zeropower_via_newtonschulz(
+                        fulls[0], coefficients, group["ns_steps"], group["eps"], group["ns_dtype"]
+                    )
+                ]
+            else:
+                batch = torch.stack(fulls)
+                del fulls
+                orthos = ns.zeropower_via_newtonschulz(
+                    batch, coefficients, group["ns_steps"], group["eps"], group["ns_dtype"]
+                ).unbind(0)
+                del batch
             self.timer.stop("ns")
-            target, ortho = self._scatter(p, ortho)
-            ns.apply_update(
-                target,
-                ortho,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                adjust_lr_fn=group["adjust_lr_fn"],
-                shape=p.shape,
-            )
+            for p, ortho in zip(chunk, orthos, strict=True):
+                target, ortho = self._scatter(p, ortho)
+                ns.apply_update(
+                    target,
+                    ortho,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    adjust_lr_fn=group["adjust_lr_fn"],
+                    shape=p.shape,
+                )
+
+    def _direction(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return ns.momentum_direction(
+            p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]
+        )
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -283,3 +312,18 @@ def _validate_hyperparameters(**kw: Any) -> None:
     betas = kw["adamw_betas"]
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise bad("adamw_betas", "must be two numbers in [0, 1)")
+
+
+def ns_chunks(params: Sequence[torch.Tensor], max_numel: int) -> list[list[torch.Tensor]]:
+    """Split ``params`` into batches of same (full) shape and dtype, each of at most
+    ``max_numel`` elements (at least one matrix); ``max_numel == 0``: one matrix per batch.
+    Order: shapes by first appearance, params in their order within a shape."""
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        by_kind.setdefault((tuple(p.shape), p.dtype), []).append(p)
+    chunks = []
+    for (shape, _), same in by_kind.items():
+        numel = max(1, int(torch.Size(shape).numel()))
+        per_chunk = max(1, max_numel // numel) if max_numel else 1
+        chunks.extend(same[i : i + per_chunk] for i in range(0, len(same), per_chunk))
+    return chunks

@@ -7,16 +7,22 @@ tokens, so the time is dominated by each variant's communication and bookkeeping
 optimizer step, timed with CUDA events (median). Variants:
 
 - ``adamw``: every matrix on FSDP2, fused ``torch.optim.AdamW``;
-- ``dmuon_z3`` / ``dmuon_z2``: DMuon (dedicated owners, bf16 Newton–Schulz);
+- ``dmuon_z3`` / ``dmuon_z2``: DMuon (dedicated owners, bf16 Newton–Schulz, batched per
+  shape); ``dmuon_z2_unbatched``: one Newton–Schulz call per matrix;
 - ``naive``: every matrix on FSDP2, all-gather + Newton–Schulz on every rank;
 - ``ns_floor``: only Newton–Schulz (bf16, 5 steps) of this rank's share of the matrices under
-  DMuon's partition, no communication, no momentum: the plain-NS floor.
+  DMuon's partition, no communication, no momentum: the plain-NS floor;
+- peers: ``muon_fsdp2`` (PyPI ``muon-fsdp2`` 0.3.0: gather to one rank per matrix, NS, scatter)
+  and ``distmuon`` (torchtitan 0.3.0's ``DistMuon``, all-to-all to owners, loaded from
+  ``.peers/torchtitan030`` by ``scripts/peers/distmuon_peer.py``); a peer that is not installed
+  is reported as skipped.
+
+Every time is the slowest rank's median (the step waits for it at the next collective).
 
     torchrun --standalone --nproc_per_node=2 scripts/bench_optimizer.py --model 8B
     torchrun --standalone --nproc_per_node=2 scripts/bench_optimizer.py --model tiny   # CPU smoke
 
 Prints one markdown table with ratios to AdamW; ``--json PATH`` writes the raw numbers.
-Peers on PyPI (torchtitan 0.3.0 DistMuon, muon-fsdp2) are not wired in yet.
 """
 
 from __future__ import annotations
@@ -70,12 +76,17 @@ class Stack(nn.Module):
         return x
 
 
-def build(variant: str, shape, mesh, device):
+def build(
+    variant: str, shape, mesh, device, ns_batch_numel: int = dmuon.muon.DEFAULT_NS_BATCH_NUMEL
+):
     with torch.device("meta"):
         model = Stack(*shape)
     if variant.startswith("dmuon"):
         dmuon.dedicate_params(
-            model, mesh, lambda n, p: p.ndim == 2, reshard_after_forward=variant == "dmuon_z3"
+            model,
+            mesh,
+            lambda n, p: p.ndim == 2,
+            reshard_after_forward=variant.startswith("dmuon_z3"),
         )
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
@@ -97,8 +108,18 @@ def build(variant: str, shape, mesh, device):
         )
     elif variant == "naive":
         optimizer = NaiveMuon(model, lambda n, p: p.ndim == 2, lr=1e-3, adamw_lr=1e-4)
+    elif variant == "muon_fsdp2":
+        from muon_fsdp2 import Muon as MuonFsdp2
+
+        optimizer = MuonFsdp2([dict(params=list(model.parameters()), lr=1e-3, use_muon=True)])
+    elif variant == "distmuon":
+        from peers.distmuon_peer import build_distmuon
+
+        optimizer = build_distmuon(model, mesh, lr=1e-3)
     else:
-        optimizer = dmuon.Muon(model, lr=1e-3, adamw_lr=1e-4)
+        # "..._unbatched": one Newton–Schulz per matrix (the before of batched NS).
+        batch = 0 if variant.endswith("_unbatched") else ns_batch_numel
+        optimizer = dmuon.Muon(model, lr=1e-3, adamw_lr=1e-4, ns_batch_numel=batch)
     return model, optimizer
 
 
@@ -136,7 +157,12 @@ def run_ns_floor(shape, device, warmup, steps) -> dict:
 def run_variant(variant, shape, mesh, device, tokens, warmup, steps) -> dict:
     if variant == "ns_floor":
         return run_ns_floor(shape, device, warmup, steps)
-    model, optimizer = build(variant, shape, mesh, device)
+    try:
+        model, optimizer = build(variant, shape, mesh, device)
+    except ImportError as err:  # a peer that is not installed here (same on every rank)
+        if dist.get_rank() == 0:
+            print(f"skipped {variant}: {err}")
+        return None
     x = torch.randn(tokens, shape[1], device=device, generator=None)
     fwd_bwd, step, ns = [], [], []
     if device.type == "cuda":
@@ -161,19 +187,43 @@ def run_variant(variant, shape, mesh, device, tokens, warmup, steps) -> dict:
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    fwd_bwd_ms, step_ms, ns_ms, peak = slowest_rank(
+        statistics.median(fwd_bwd),
+        statistics.median(step),
+        statistics.median(ns) if ns else -1.0,
+        peak,
+    )
     return {
         "variant": variant,
-        "fwd_bwd_ms": statistics.median(fwd_bwd),
-        "step_ms": statistics.median(step),
-        "ns_ms": statistics.median(ns) if ns else None,
+        "fwd_bwd_ms": fwd_bwd_ms,
+        "step_ms": step_ms,
+        "ns_ms": ns_ms if ns else None,
         "peak_gib": peak,
     }
+
+
+def slowest_rank(*values: float) -> list[float]:
+    """Each value's maximum over the ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=_current_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _current_device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(SHAPES), default="8B")
-    parser.add_argument("--variants", default="adamw,dmuon_z3,dmuon_z2,naive,ns_floor")
+    parser.add_argument(
+        "--variants",
+        default="adamw,dmuon_z3,dmuon_z2,dmuon_z2_unbatched,naive,ns_floor,muon_fsdp2,distmuon",
+    )
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
@@ -186,12 +236,13 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     world = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world,))
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))  # DistMuon
     shape = SHAPES[args.model]
     rows = [
         run_variant(v, shape, mesh, device, args.tokens, args.warmup, args.steps)
         for v in args.variants.split(",")
     ]
+    rows = [r for r in rows if r is not None]
     if dist.get_rank() == 0:
         base = next((r for r in rows if r["variant"] == "adamw"), rows[0])
         print(

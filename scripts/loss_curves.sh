@@ -7,7 +7,8 @@
 #   scripts/loss_curves.sh outputs/loss_curves 1e-3 2e-3 4e-3
 # Writes OUTDIR/<optimizer>_lr<lr>.log per run, then OUTDIR/loss_curves.png and the table
 # (scripts/compare_loss.py; the PNG needs matplotlib). Environment: DUMP_ROOT puts the runs'
-# torchtitan dump folders elsewhere; RUN_TIMEOUT (seconds) bounds each run (its log stays).
+# torchtitan dump folders elsewhere; RUN_TIMEOUT (seconds) bounds each run (its log stays);
+# OPTIMIZERS="adamw" (or "dmuon") runs one side only, on the first visible GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?usage: scripts/loss_curves.sh OUTDIR [LR ...] [-- overrides]}
@@ -24,7 +25,9 @@ python3 -m dmuon_titan.titan.data --out outputs/assets/tokenizer_8k --vocab-size
 run() {  # run OPTIMIZER LR DEVICE [overrides...]
   local opt=$1 lr=$2 dev=$3 name="${1}_lr${2}"
   shift 3
-  CUDA_VISIBLE_DEVICES=$dev timeout "${RUN_TIMEOUT:-0}" torchrun --standalone --nproc_per_node=1 --role rank --tee 3 \
+  local visible=()
+  [[ $GPUS -ge 2 ]] && visible=(env CUDA_VISIBLE_DEVICES="$dev")
+  "${visible[@]}" timeout "${RUN_TIMEOUT:-0}" torchrun --standalone --nproc_per_node=1 --role rank --tee 3 \
     -m torchtitan.train --job.config_file "configs/llm170m_${opt}.toml" \
     --job.dump_folder "${DUMP_ROOT:-$OUTDIR}/$name" --optimizer.lr "$lr" "$@" >"$OUTDIR/$name.log" 2>&1 \
     || { echo "run $name failed: tail of $OUTDIR/$name.log"; tail -20 "$OUTDIR/$name.log"; return 1; }
@@ -32,8 +35,11 @@ run() {  # run OPTIMIZER LR DEVICE [overrides...]
 }
 
 status=0
+OPTIMIZERS=${OPTIMIZERS:-adamw dmuon}
 for lr in "${LRS[@]}"; do
-  if [[ $GPUS -ge 2 ]]; then
+  if [[ $OPTIMIZERS != "adamw dmuon" ]]; then
+    for opt in $OPTIMIZERS; do run "$opt" "$lr" 0 "$@" || status=1; done
+  elif [[ $GPUS -ge 2 ]]; then
     run adamw "$lr" 0 "$@" & a=$!
     run dmuon "$lr" 1 "$@" & d=$!
     wait $a || status=1
@@ -43,7 +49,9 @@ for lr in "${LRS[@]}"; do
     run dmuon "$lr" 0 "$@" || status=1
   fi
 done
+shopt -s nullglob
 logs=("$OUTDIR"/adamw_lr*.log "$OUTDIR"/dmuon_lr*.log)
+[[ ${#logs[@]} -ge 2 && $OPTIMIZERS == "adamw dmuon" ]] || exit $status
 png=()
 python3 -c "import matplotlib" 2>/dev/null && png=(--png "$OUTDIR/loss_curves.png")
 python3 scripts/compare_loss.py "${logs[@]}" --baseline adamw --json "$OUTDIR/compare.json" \

@@ -15,15 +15,18 @@ import sys
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+PLAN = re.compile(r"NS GFLOP per rank \[([\d., ]+)\]")
 DMUON = re.compile(r"dmuon step:\s*(\d+)\s+optimizer:\s*([\d.]+)ms\s+ns:\s*([\d.]+)ms")
 
 
 def summarize(path: str, skip: int, tokens_per_step: int) -> dict:
-    tps, mem, opt, ns, loss = [], [], [], [], {}
+    tps, mem, opt, ns, loss, ns_gflop = [], [], [], [], {}, None
     for line in open(path, errors="replace"):
         line = ANSI.sub("", line)
         if "validate" in line:
             continue
+        if (m := PLAN.search(line)) and ns_gflop is None:
+            ns_gflop = [float(v) for v in m.group(1).split(",")]
         if m := STEP.search(line):
             step = int(m.group(1))
             loss[step] = float(m.group(2))
@@ -45,6 +48,7 @@ def summarize(path: str, skip: int, tokens_per_step: int) -> dict:
         "optimizer_ms": statistics.median(opt) if opt else None,
         "ns_ms": statistics.median(ns) if ns else None,
         "final_loss": loss[max(loss)],
+        "ns_gflop_per_rank": ns_gflop,
     }
 
 
@@ -54,6 +58,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--batch", type=int, required=True, help="local batch size")
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out")
+    parser.add_argument(
+        "--floor-tflops",
+        type=float,
+        default=None,
+        help="bf16 matmul TFLOP/s: also print (T - T_first) / T_floor for DMuon runs, with "
+        "T_floor = NS FLOPs of all dedicated matrices / (ranks x this rate)",
+    )
     args = parser.parse_args()
     rows = [summarize(p, args.skip, args.seq_len * args.batch) for p in args.logs]
     base = rows[0]["step_s"]
@@ -67,6 +78,16 @@ def main() -> None:
             f"| {r['log']} | {r['steps']} | {r['step_s']:.3f} | {r['tps']:,.0f} | {r['peak_gib']:.1f} "
             f"| {fmt(r['optimizer_ms'])} | {fmt(r['ns_ms'])} | {r['step_s'] / base:.3f} |"
         )
+    if args.floor_tflops:
+        for r in rows[1:]:
+            if r["ns_gflop_per_rank"]:
+                loads = r["ns_gflop_per_rank"]
+                floor_s = sum(loads) / len(loads) / (args.floor_tflops * 1e3)
+                print(
+                    f"\n{r['log']}: T_floor = {floor_s * 1e3:.0f} ms (NS {sum(loads):,.0f} GFLOP over "
+                    f"{len(loads)} ranks at {args.floor_tflops:.0f} TFLOP/s); "
+                    f"(T - T_first) / T_floor = {(r['step_s'] - base) / floor_s:.2f}"
+                )
     sys.stdout.flush()
 
 

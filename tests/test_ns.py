@@ -79,3 +79,23 @@ def test_adjusted_lr_matches_torch(fn, shape):
 def test_unknown_adjust_lr_fn():
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         ns.adjusted_lr(0.02, "bogus", (2, 2))
+
+
+def test_ns_chunks_group_by_shape_and_bound_the_batch():
+    from dmuon_titan.muon import ns_chunks
+
+    a = [torch.empty(4, 8) for _ in range(5)]
+    b = [torch.empty(8, 4) for _ in range(2)]
+    c = torch.empty(4, 8, dtype=torch.float64)
+    params = [a[0], b[0], a[1], c, a[2], b[1], a[3], a[4]]
+    chunks = ns_chunks(params, max_numel=64)  # two 4x8 matrices per batch
+    assert [[id(t) for t in ch] for ch in chunks] == [
+        [id(a[0]), id(a[1])],
+        [id(a[2]), id(a[3])],
+        [id(a[4])],
+        [id(b[0]), id(b[1])],
+        [id(c)],
+    ]
+    assert [len(ch) for ch in ns_chunks(params, 0)] == [1] * 8
+    assert [len(ch) for ch in ns_chunks(params, 10)] == [1] * 8  # smaller than one matrix
+    assert sorted(map(len, ns_chunks(params, 10**6))) == [1, 2, 5]

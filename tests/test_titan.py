@@ -247,6 +247,7 @@ BAD_VALUES = [
     (["--dmuon.weight_decay", "-0.5"], "[dmuon] weight_decay"),
     (["--dmuon.ns_eps", "0"], "[dmuon] ns_eps"),
     (["--dmuon.small_param_numel", "-1"], "[dmuon] small_param_numel"),
+    (["--dmuon.ns_batch_numel", "-5"], "[dmuon] ns_batch_numel"),
 ]
 
 

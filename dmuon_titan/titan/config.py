@@ -90,6 +90,11 @@ class DMuon:
     small_param_numel: int = 65536
     """Matrices with at most this many elements are packed per block onto one owner."""
 
+    ns_batch_numel: int = 2**27
+    """Same-shape matrices of an owner are orthogonalized together (one batched Newton-Schulz)
+    in chunks of at most this many elements; 0 runs one matrix at a time. Larger chunks run
+    small matrices nearer the matmul rate and cost that many elements of fp32 workspace."""
+
     def __post_init__(self) -> None:
         validate(self)
 
@@ -148,6 +153,12 @@ def validate(cfg: DMuon) -> None:
         or cfg.small_param_numel < 0
     ):
         raise _fail("small_param_numel", cfg.small_param_numel, "must be an integer >= 0")
+    if (
+        isinstance(cfg.ns_batch_numel, bool)
+        or not isinstance(cfg.ns_batch_numel, int)
+        or cfg.ns_batch_numel < 0
+    ):
+        raise _fail("ns_batch_numel", cfg.ns_batch_numel, "must be an integer >= 0")
     if (
         not isinstance(cfg.params, list)
         or not cfg.params

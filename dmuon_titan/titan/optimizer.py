@@ -42,6 +42,7 @@ def muon_kwargs(optimizer_config, dmuon_config) -> dict[str, Any]:
         "adamw_weight_decay": optimizer_config.weight_decay,
         "adamw_foreach": impl == "foreach",
         "adamw_fused": impl == "fused",
+        "ns_batch_numel": dmuon_config.ns_batch_numel,
     }
 
 

@@ -76,7 +76,9 @@ def load_flex_shard() -> ModuleType:
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        for name in [n for n in sys.modules if n == PRIVATE_NAME or n.startswith(PRIVATE_NAME + ".")]:
+        for name in [
+            n for n in sys.modules if n == PRIVATE_NAME or n.startswith(PRIVATE_NAME + ".")
+        ]:
             del sys.modules[name]
         raise
     return module
@@ -230,7 +232,9 @@ def build_distmuon(
         if not param.requires_grad:
             continue
         if param.ndim != 2:
-            raise ValueError(f"DistMuon here takes only 2-D matrices; {name} is {tuple(param.shape)}")
+            raise ValueError(
+                f"DistMuon here takes only 2-D matrices; {name} is {tuple(param.shape)}"
+            )
         if not isinstance(param, DTensor):
             raise TypeError(f"{name} is not a DTensor: apply fully_shard before build_distmuon")
         if param.device_mesh.mesh_dim_names != mesh.mesh_dim_names or not torch.equal(
@@ -251,7 +255,9 @@ def build_distmuon(
     buckets: OrderedDict[str, list[str]] = OrderedDict()
     for fqn in names:
         buckets.setdefault(_bucket_key(fqn), []).append(fqn)
-    bucket_configs = [flex.BucketConfig(patterns=tuple(fqns), name=key) for key, fqns in buckets.items()]
+    bucket_configs = [
+        flex.BucketConfig(patterns=tuple(fqns), name=key) for key, fqns in buckets.items()
+    ]
     # fnmatch patterns: our FQNs must not contain glob characters.
     assert not any(set(fqn) & set("*?[]") for fqn in names), names
 
