@@ -5,6 +5,7 @@
 # T_floor = NS FLOPs of all dedicated matrices / (GPUs x MATMUL_TFLOPS, default 758: the bf16
 # matmul rate measured on H200, see docs/benchmarks.md).
 #   scripts/bench_titan.sh OUTDIR [torchtitan overrides...]
+#   CONFIG_PREFIX=configs/toy_ scripts/bench_titan.sh /tmp/b --training.steps 6   # CPU smoke
 #   scripts/bench_titan.sh outputs/bench_titan                       # seq 8192, batch 2, full AC
 #   scripts/bench_titan.sh outputs/bench_llm --training.seq_len 2048 --activation_checkpoint.mode none
 set -euo pipefail
@@ -22,8 +23,8 @@ for ((i = 0; i + 1 < ${#args[@]}; i++)); do
 done
 status=0
 for opt in adamw dmuon; do
-  scripts/train.sh "configs/llama3_8b_${opt}.toml" --job.dump_folder "$OUTDIR/$opt" \
-    --metrics.enable_tensorboard false "$@" >"$OUTDIR/$opt.log" 2>&1 \
+  scripts/train.sh "${CONFIG_PREFIX:-configs/llama3_8b_}${opt}.toml" \
+    --job.dump_folder "$OUTDIR/$opt" "$@" >"$OUTDIR/$opt.log" 2>&1 \
     || { echo "$opt run failed: tail of $OUTDIR/$opt.log"; tail -20 "$OUTDIR/$opt.log"; status=1; }
 done
 python3 scripts/titan_log_summary.py --seq-len "$SEQ" --batch "$BATCH" \

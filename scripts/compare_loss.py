@@ -71,16 +71,18 @@ def parse_log(path: Path, label: str | None = None) -> Run:
     return run
 
 
-def steps_to_reach(run: Run, target: float) -> float | None:
-    """First (interpolated) step at which ``run``'s validation loss is <= ``target``."""
+def steps_to_reach(run: Run, target: float, axis: int = 0) -> float | None:
+    """First (interpolated) step (``axis=0``) or second (``axis=1``) at which ``run``'s
+    validation loss is <= ``target``."""
     prev = None
-    for step, _, loss in run.valid:
+    for point in run.valid:
+        x, loss = point[axis], point[2]
         if loss <= target:
             if prev is None or prev[1] == loss:
-                return float(step)
-            (s0, l0) = prev
-            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
-        prev = (step, loss)
+                return float(x)
+            (x0, l0) = prev
+            return x0 + (x - x0) * (l0 - target) / (l0 - loss)
+        prev = (x, loss)
     return None
 
 
@@ -143,13 +145,18 @@ def print_table(runs: list[Run], rows: list[dict], baseline: str) -> None:
             if o == baseline:
                 continue
             reached = steps_to_reach(run, ref.final_valid)
+            secs = steps_to_reach(run, ref.final_valid, axis=1)
             ratio = f"{reached / ref.valid[-1][0]:.2f}" if reached else "not reached"
+            wall = f"{secs:.0f} s of {ref.valid[-1][1]:.0f} s" if secs else "not reached"
             print(
                 f"\nbest vs best: {run.label} ({run.final_valid:.4f}) reaches {ref.label}'s final "
                 f"validation loss {ref.final_valid:.4f} at step "
                 f"{'-' if reached is None else f'{reached:.0f}'} of {ref.valid[-1][0]} "
-                f"(ratio {ratio})"
+                f"(ratio {ratio}); wall-clock {wall}"
             )
+        print(
+            "\nfinal validation loss: " + ", ".join(f"{r.label} {r.final_valid:.4f}" for r in runs)
+        )
 
 
 def ema(values: list[float], alpha: float) -> list[float]:
@@ -210,6 +217,8 @@ def plot(runs: list[Run], baseline: str, path: Path, title: str, smooth: float) 
             if pts:
                 extra.plot(*zip(*pts, strict=True), marker="o", color=color, label=opt)
         extra.set_xscale("log")
+        extra.set_xticks(lrs, [f"{lr:g}" for lr in lrs])
+        extra.minorticks_off()
         extra.set_xlabel("learning rate")
         extra.set_ylabel("final validation loss")
         extra.grid(alpha=0.3)
