@@ -249,8 +249,11 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.png:
-        plot(runs, args.baseline, Path(args.png), args.title, args.smooth)
-        print(f"\nplot: {args.png}")
+        try:
+            plot(runs, args.baseline, Path(args.png), args.title, args.smooth)
+            print(f"\nplot: {args.png}")
+        except ImportError as err:
+            print(f"\nno plot ({err}); pip install matplotlib")
     sys.stdout.flush()
 
 
