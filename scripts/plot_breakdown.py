@@ -55,19 +55,24 @@ def main() -> None:
     parser.add_argument("--adamw-optimizer-ms", type=float, default=None)
     parser.add_argument("--title", default="torchtitan llama3-8B step time, AdamW vs DMuon")
     args = parser.parse_args()
-    import matplotlib
-
+    rows = [b for s in args.settings for b in bars(s, args.skip, args.adamw_optimizer_ms)]
+    for label, parts in rows:
+        text = ", ".join(f"{k} {v:.0f} ms" for k, v in parts.items())
+        print(f"{label.replace(chr(10), ' ')}: {text}")
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise SystemExit(f"no plot ({err}); pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [b for s in args.settings for b in bars(s, args.skip, args.adamw_optimizer_ms)]
     colors = {
         "forward+backward": "tab:gray",
         "Newton-Schulz": "tab:red",
         "optimizer (other)": "tab:orange",
     }
     fig, ax = plt.subplots(figsize=(2.2 * len(rows) + 2, 5))
-    for i, (label, parts) in enumerate(rows):
+    for i, (_, parts) in enumerate(rows):
         bottom = 0.0
         for part, ms in parts.items():
             ax.bar(i, ms, bottom=bottom, color=colors[part], label=part if i < 2 else None)
@@ -75,10 +80,6 @@ def main() -> None:
                 ax.text(i, bottom + ms / 2, f"{ms:.0f}", ha="center", va="center", fontsize=8)
             bottom += ms
         ax.text(i, bottom, f"{bottom:.0f} ms", ha="center", va="bottom", fontsize=9)
-        print(
-            f"{label.replace(chr(10), ' ')}: "
-            + ", ".join(f"{k} {v:.0f} ms" for k, v in parts.items())
-        )
     ax.set_xticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
     ax.set_ylabel("ms per step (median)")
     handles, labels = ax.get_legend_handles_labels()
