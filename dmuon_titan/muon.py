@@ -24,7 +24,8 @@ from .timing import PhaseTimer
 MUON_GROUP = 0
 ADAMW_GROUP = 1
 
-#: Default chunk of batched Newton–Schulz: 2**27 elements (512 MiB of fp32 directions).
+#: Default chunk of batched Newton–Schulz: 2**27 elements (256 MiB in bf16, plus NS's own
+#: working copies of that size).
 DEFAULT_NS_BATCH_NUMEL = 2**27
 
 
@@ -97,8 +98,9 @@ class Muon(torch.optim.Optimizer):
             or ns_batch_numel < 0
         ):
             raise ValueError(f"ns_batch_numel must be an integer >= 0, got {ns_batch_numel!r}")
-        #: Not a param-group entry: it changes no result's math, only the batching, so it
-        #: stays out of optimizer state dicts.
+        #: Not a param-group entry (it stays out of optimizer state dicts): same math per
+        #: matrix, though batched and single matmuls round differently in bf16, so results are
+        #: not bitwise identical across batch sizes (nor, hence, across owner counts).
         self.ns_batch_numel = ns_batch_numel
         self._dmuon: DMuonState | None = getattr(model, STATE_ATTR, None)
         if self._dmuon is not None:
@@ -190,23 +192,7 @@ class Muon(torch.optim.Optimizer):
         stepped = self._stepped_ids()
         todo = [p for p in group["params"] if p.grad is not None and id(p) in stepped]
         for chunk in ns_chunks(todo, self.ns_batch_numel):
-            # Directions are made chunk by chunk: at most one chunk of them is alive at once.
-            fulls = [self._gather(self._direction(p, group)) for p in chunk]
-            self.timer.start("ns")
-            if len(fulls) == 1:
-                orthos = [
-                    ns.zeropower_via_newtonschulz(
-                        fulls[0], coefficients, group["ns_steps"], group["eps"], group["ns_dtype"]
-                    )
-                ]
-            else:
-                batch = torch.stack(fulls)
-                del fulls
-                orthos = ns.zeropower_via_newtonschulz(
-                    batch, coefficients, group["ns_steps"], group["eps"], group["ns_dtype"]
-                ).unbind(0)
-                del batch
-            self.timer.stop("ns")
+            orthos = self._orthogonalize(chunk, group, coefficients)
             for p, ortho in zip(chunk, orthos, strict=True):
                 target, ortho = self._scatter(p, ortho)
                 ns.apply_update(
@@ -217,6 +203,32 @@ class Muon(torch.optim.Optimizer):
                     adjust_lr_fn=group["adjust_lr_fn"],
                     shape=p.shape,
                 )
+            del orthos  # views of the chunk's batch: free it before the next chunk
+
+    def _orthogonalize(
+        self, chunk: list[torch.Tensor], group: dict[str, Any], coefficients
+    ) -> Sequence[torch.Tensor]:
+        """Momentum step + NS of one chunk of same-shape matrices. A batch is filled one
+        direction at a time, cast to the NS dtype on copy, so at most one fp32 direction and
+        the chunk in the NS dtype are alive (plus NS's own working copies)."""
+        args = (coefficients, group["ns_steps"], group["eps"], group["ns_dtype"])
+        if len(chunk) == 1:
+            full = self._gather(self._direction(chunk[0], group))
+            self.timer.start("ns")
+            ortho = ns.zeropower_via_newtonschulz(full, *args)
+            self.timer.stop("ns")
+            return [ortho]
+        batch = None
+        for i, p in enumerate(chunk):
+            full = self._gather(self._direction(p, group))
+            if batch is None:
+                batch = full.new_empty((len(chunk), *full.shape), dtype=group["ns_dtype"])
+            batch[i].copy_(full)
+            del full
+        self.timer.start("ns")
+        orthos = ns.zeropower_via_newtonschulz(batch, *args).unbind(0)
+        self.timer.stop("ns")
+        return orthos
 
     def _direction(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         state = self.state[p]

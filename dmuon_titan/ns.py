@@ -118,7 +118,7 @@ def zeropower_via_newtonschulz(
             gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
             x = torch.addmm(x, gram_update, x, beta=a)
     else:
-        x = x / torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps)
+        x.div_(torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))  # x is our copy
         for i in range(ns_steps):
             a, b, c = coefficients[min(i, len(coefficients) - 1)]
             gram = torch.bmm(x, x.mT)

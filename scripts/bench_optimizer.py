@@ -17,7 +17,8 @@ optimizer step, timed with CUDA events (median). Variants:
   ``.peers/torchtitan030`` by ``scripts/peers/distmuon_peer.py``); a peer that is not installed
   is reported as skipped.
 
-Every time is the slowest rank's median (the step waits for it at the next collective).
+Every column is its slowest rank's median, column by column (the step waits for the slowest
+rank at the next collective); the columns of one row may come from different ranks.
 
     torchrun --standalone --nproc_per_node=2 scripts/bench_optimizer.py --model 8B
     torchrun --standalone --nproc_per_node=2 scripts/bench_optimizer.py --model tiny   # CPU smoke
@@ -159,7 +160,7 @@ def run_variant(variant, shape, mesh, device, tokens, warmup, steps) -> dict:
         return run_ns_floor(shape, device, warmup, steps)
     try:
         model, optimizer = build(variant, shape, mesh, device)
-    except ImportError as err:  # a peer that is not installed here (same on every rank)
+    except (ImportError, OSError) as err:  # a peer not installed here (same on every rank)
         if dist.get_rank() == 0:
             print(f"skipped {variant}: {err}")
         return None

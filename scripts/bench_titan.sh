@@ -2,8 +2,8 @@
 # torchtitan llama3-8B on every local GPU: AdamW vs DMuon, the same config otherwise
 # (configs/llama3_8b_{adamw,dmuon}.toml plus the same overrides). Prints step time, tok/s,
 # peak memory, optimizer/NS time, the ratio, and (T_DMuon - T_AdamW) / T_floor where
-# T_floor = NS FLOPs of all dedicated matrices / (GPUs x MATMUL_TFLOPS, default 758: the bf16
-# matmul rate measured on H200, see docs/benchmarks.md).
+# T_floor = NS FLOPs of all dedicated matrices / (GPUs x MATMUL_TFLOPS, default 786: the bf16
+# 8192^3 matmul rate scripts/bench_ns.py measured on an H200, see docs/benchmarks.md).
 #   scripts/bench_titan.sh OUTDIR [torchtitan overrides...]
 #   CONFIG_PREFIX=configs/toy_ scripts/bench_titan.sh /tmp/b --training.steps 6   # CPU smoke
 #   scripts/bench_titan.sh outputs/bench_titan                       # seq 8192, batch 2, full AC
@@ -28,5 +28,5 @@ for opt in adamw dmuon; do
     || { echo "$opt run failed: tail of $OUTDIR/$opt.log"; tail -20 "$OUTDIR/$opt.log"; status=1; }
 done
 python3 scripts/titan_log_summary.py --seq-len "$SEQ" --batch "$BATCH" \
-  "$OUTDIR/adamw.log" "$OUTDIR/dmuon.log" --floor-tflops "${MATMUL_TFLOPS:-758}" || status=1
+  "$OUTDIR/adamw.log" "$OUTDIR/dmuon.log" --floor-tflops "${MATMUL_TFLOPS:-786}" || status=1
 exit $status

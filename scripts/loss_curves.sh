@@ -31,7 +31,7 @@ run() {  # run OPTIMIZER LR DEVICE [overrides...]
     -m torchtitan.train --job.config_file "configs/llm170m_${opt}.toml" \
     --job.dump_folder "${DUMP_ROOT:-$OUTDIR}/$name" --optimizer.lr "$lr" "$@" >"$OUTDIR/$name.log" 2>&1 \
     || { echo "run $name failed: tail of $OUTDIR/$name.log"; tail -20 "$OUTDIR/$name.log"; return 1; }
-  echo "done: $name ($(grep -c 'step:' "$OUTDIR/$name.log") logged steps)"
+  echo "done: $name ($(grep -a 'step:' "$OUTDIR/$name.log" | grep -cav 'validate\|dmuon') logged steps)"
 }
 
 status=0

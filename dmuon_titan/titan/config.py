@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..muon import DEFAULT_NS_BATCH_NUMEL
 from ..ns import ADJUST_LR_FNS, NS_COEFFICIENT_SETS
 
 
@@ -90,10 +91,10 @@ class DMuon:
     small_param_numel: int = 65536
     """Matrices with at most this many elements are packed per block onto one owner."""
 
-    ns_batch_numel: int = 2**27
+    ns_batch_numel: int = DEFAULT_NS_BATCH_NUMEL
     """Same-shape matrices of an owner are orthogonalized together (one batched Newton-Schulz)
     in chunks of at most this many elements; 0 runs one matrix at a time. Larger chunks run
-    small matrices nearer the matmul rate and cost that many elements of fp32 workspace."""
+    small matrices nearer the matmul rate and cost a few NS-dtype buffers of that size."""
 
     def __post_init__(self) -> None:
         validate(self)
