@@ -78,7 +78,7 @@ def steps_to_reach(run: Run, target: float, axis: int = 0) -> float | None:
     for point in run.valid:
         x, loss = point[axis], point[2]
         if loss <= target:
-            if prev is None or prev[1] == loss:
+            if prev is None:  # already at or below the target at the first validation
                 return float(x)
             (x0, l0) = prev
             return x0 + (x - x0) * (l0 - target) / (l0 - loss)
@@ -97,7 +97,8 @@ def compare(runs: list[Run], baseline: str) -> list[dict]:
     for run in runs:
         if run.optimizer == baseline:
             continue
-        ref = base.get(run.lr) or next(iter(base.values()))
+        # Same lr if the baseline ran it, else the baseline's best run (said in the row).
+        ref = base.get(run.lr) or min(base.values(), key=lambda r: r.final_valid)
         reached = steps_to_reach(run, ref.final_valid)
         ref_steps = ref.valid[-1][0] if ref.valid else None
         rows.append(
@@ -126,7 +127,7 @@ def print_table(runs: list[Run], rows: list[dict], baseline: str) -> None:
     fmt = lambda v, f="{:.4f}": "-" if v is None or v != v else f.format(v)  # noqa: E731
     print(
         "| lr | baseline final val | challenger final val | challenger steps to baseline final "
-        "| / baseline steps | wall-clock (s) baseline / challenger |"
+        "| / baseline steps | seconds to the last validation, baseline / challenger |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
