@@ -76,3 +76,13 @@ def test_170m_flavor_registered():
     with torch.device("meta"):
         model = spec.model_cls(spec.model_args["170M"])
     assert sum(p.numel() for p in model.parameters()) == 170_943_488
+
+
+def test_challenger_lr_without_baseline_run_uses_the_best_baseline(tmp_path):
+    good = _log(tmp_path / "adamw_lr0.001.log", {1: 9.0, 2: 8.0}, {2: 4.0})
+    bad = _log(tmp_path / "adamw_lr0.004.log", {1: 9.0, 2: 8.0}, {2: 5.0})
+    other = _log(tmp_path / "dmuon_lr0.002.log", {1: 9.0, 2: 8.0}, {1: 4.5, 2: 3.5})
+    runs = [compare_loss.parse_log(p) for p in (good, bad, other)]
+    (row,) = compare_loss.compare(runs, "adamw")
+    assert row["baseline"] == "adamw_lr0.001"
+    assert row["challenger_steps_to_baseline_final"] == pytest.approx(1.5)
