@@ -90,14 +90,9 @@ class Muon(torch.optim.Optimizer):
             adamw_betas=adamw_betas,
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
+            ns_batch_numel=ns_batch_numel,
         )
         ns.normalize_coefficients(ns_coefficients)  # validates; raises naming the value
-        if (
-            isinstance(ns_batch_numel, bool)
-            or not isinstance(ns_batch_numel, int)
-            or ns_batch_numel < 0
-        ):
-            raise ValueError(f"ns_batch_numel must be an integer >= 0, got {ns_batch_numel!r}")
         #: Not a param-group entry (it stays out of optimizer state dicts): same math per
         #: matrix, though batched and single matmuls round differently in bf16, so results are
         #: not bitwise identical across batch sizes (nor, hence, across owner counts).
@@ -324,6 +319,9 @@ def _validate_hyperparameters(**kw: Any) -> None:
     betas = kw["adamw_betas"]
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise bad("adamw_betas", "must be two numbers in [0, 1)")
+    numel = kw["ns_batch_numel"]
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise bad("ns_batch_numel", "must be an int >= 0")
 
 
 def ns_chunks(params: Sequence[torch.Tensor], max_numel: int) -> list[list[torch.Tensor]]:

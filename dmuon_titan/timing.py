@@ -7,8 +7,10 @@ the wall clock is exact because the work is synchronous.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -51,3 +53,19 @@ class PhaseTimer:
             else:
                 out[phase] = sum(e - b for b, e in intervals) * 1e3
         return out
+
+
+def median_milliseconds(
+    fn: Callable[[], object], device: torch.device | str, warmup: int, reps: int
+) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` untimed ones
+    (benchmarks; on CUDA each call is read back, one synchronization per call)."""
+    timer, times = PhaseTimer(device), []
+    for i in range(warmup + reps):
+        timer.reset()
+        timer.start("call")
+        fn()
+        timer.stop("call")
+        if i >= warmup:
+            times.append(timer.milliseconds()["call"])
+    return statistics.median(times)

@@ -14,29 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from functools import partial
 
 import torch
 
 from dmuon_titan import ns
 from dmuon_titan.muon import DEFAULT_NS_BATCH_NUMEL
-from dmuon_titan.timing import PhaseTimer
+from dmuon_titan.timing import median_milliseconds as timed
 
 DEFAULT_SHAPES = "4096x4096,1024x4096,14336x4096,4096x14336,1024x1024,2816x1024"
-
-
-def timed(fn, device: torch.device, warmup: int, reps: int) -> float:
-    """Median milliseconds of ``fn()``."""
-    timer, times = PhaseTimer(device), []
-    for i in range(warmup + reps):
-        timer.reset()
-        timer.start("t")
-        fn()
-        timer.stop("t")
-        if i >= warmup:
-            times.append(timer.milliseconds()["t"])
-    return statistics.median(times)
 
 
 def main() -> None:

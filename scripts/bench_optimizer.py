@@ -42,7 +42,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon_titan as dmuon
 from dmuon_titan.naive import NaiveMuon
-from dmuon_titan.timing import PhaseTimer
+from dmuon_titan.timing import PhaseTimer, median_milliseconds
 
 SHAPES = {  # n_layers, dim, kv_dim, ffn_hidden
     "8B": (32, 4096, 1024, 14336),
@@ -134,23 +134,17 @@ def run_ns_floor(shape, device, warmup, steps) -> dict:
     plan = plan_partition(specs, dist.get_world_size())
     mine = [s.shape for s, o in zip(plan.specs, plan.owners, strict=True) if o == dist.get_rank()]
     mats = [torch.randn(s, device=device) for s in mine]
-    times, timer = [], PhaseTimer(device)
-    for i in range(warmup + steps):
-        timer.reset()
-        timer.start("ns")
+
+    def all_ns() -> None:
         for m in mats:
             zeropower_via_newtonschulz(m, (JORDAN_COEFFICIENTS,), 5, 1e-7, torch.bfloat16)
-        timer.stop("ns")
-        if i >= warmup:
-            times.append(timer.milliseconds()["ns"])
-    del mats
-    slowest = torch.tensor([statistics.median(times)], device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+
+    (slowest,) = slowest_rank(median_milliseconds(all_ns, device, warmup, steps))
     return {
         "variant": "ns_floor",
         "fwd_bwd_ms": 0.0,
-        "step_ms": slowest.item(),
-        "ns_ms": slowest.item(),
+        "step_ms": slowest,
+        "ns_ms": slowest,
         "peak_gib": float("nan"),
     }
 
@@ -235,7 +229,7 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = _current_device()
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))  # DistMuon
     shape = SHAPES[args.model]

@@ -98,7 +98,7 @@ def compare(runs: list[Run], baseline: str) -> list[dict]:
         if run.optimizer == baseline:
             continue
         # Same lr if the baseline ran it, else the baseline's best run (said in the row).
-        ref = base.get(run.lr) or min(base.values(), key=lambda r: r.final_valid)
+        ref = base.get(run.lr) or best_of(runs, baseline) or next(iter(base.values()))
         reached = steps_to_reach(run, ref.final_valid)
         ref_steps = ref.valid[-1][0] if ref.valid else None
         rows.append(

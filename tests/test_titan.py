@@ -74,6 +74,21 @@ def tb_scalars(dump: Path, tag: str) -> dict[int, float]:
     return values
 
 
+def checkpointed_args(total_steps: int, interval: int, validation_freq: int) -> list[str]:
+    """Overrides for a stop-and-resume test: the LR schedule fixed to ``total_steps`` (so a
+    shorter first run follows the same schedule), full checkpoints every ``interval`` steps."""
+    return [
+        "--lr_scheduler.total_steps",
+        str(total_steps),
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        str(interval),
+        "--checkpoint.no-last-save-model-only",
+        "--validation.freq",
+        str(validation_freq),
+    ]
+
+
 def tb_losses(dump: Path) -> dict[int, float]:
     return tb_scalars(dump, "loss_metrics/global_avg_loss")
 
@@ -96,16 +111,7 @@ def test_toy_dmuon_trains_checkpoints_and_resumes(tokenizer_dir, tmp_path):
     """20 steps with falling loss; stop at 10 and resume → steps 11–20 bit-identical to the
     uninterrupted run; the step-10 checkpoint loads on 1 and 3 ranks with identical weights
     and momentum, and training continues on 1 rank."""
-    common = [
-        "--lr_scheduler.total_steps",
-        "20",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "10",
-        "--checkpoint.no-last-save-model-only",
-        "--validation.freq",
-        "10",
-    ]
+    common = checkpointed_args(total_steps=20, interval=10, validation_freq=10)
     a, b = tmp_path / "a", tmp_path / "b"
     out = run_ok(2, *toy_args(tokenizer_dir, a, *common, "--training.steps", "20"))
     assert (
@@ -352,14 +358,7 @@ def test_hsdp_toy_trains_and_resumes_on_4_ranks(tokenizer_dir, tmp_path):
     common = [
         "--parallelism.data_parallel_replicate_degree",
         "2",
-        "--lr_scheduler.total_steps",
-        "6",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "3",
-        "--checkpoint.no-last-save-model-only",
-        "--validation.freq",
-        "100",
+        *checkpointed_args(total_steps=6, interval=3, validation_freq=100),
     ]
     a, b = tmp_path / "a", tmp_path / "b"
     out = run_ok(4, *toy_args(tokenizer_dir, a, *common, "--training.steps", "6"))

@@ -49,12 +49,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dmuon_titan.api import clean_fqn
+
 PEER_ROOT = Path(__file__).resolve().parents[2] / ".peers" / "torchtitan030"
 FLEX_SHARD_DIR = PEER_ROOT / "torchtitan" / "distributed" / "flex_shard"
 PRIVATE_NAME = "_peer_tt030_flex_shard"
-
-# Wrapper prefixes that torchtitan's canonical_fqn strips (activation checkpointing, compile).
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 def load_flex_shard() -> ModuleType:
@@ -82,12 +81,6 @@ def load_flex_shard() -> ModuleType:
             del sys.modules[name]
         raise
     return module
-
-
-def canonical_fqn(name: str) -> str:
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
 
 
 def _bucket_key(fqn: str) -> str:
@@ -242,7 +235,7 @@ def build_distmuon(
         ):
             raise ValueError(f"{name} is not sharded on the given mesh")
         params.append(param)
-        names.append(canonical_fqn(name))
+        names.append(clean_fqn(name))  # wrapper segments dropped, as torchtitan does
     if not params:
         raise ValueError("no trainable parameters")
 
