@@ -48,6 +48,10 @@ class Muon(torch.optim.Optimizer):
         ns_batch_numel: same-shape matrices are orthogonalized together, as one batched
             Newton–Schulz, in chunks of at most this many elements (small matrices are far
             from the matmul rate one at a time); 0 runs one matrix at a time.
+        ns_algorithm: ``"plain"`` (``torch.optim.Muon``'s iteration), ``"gram"`` (the same
+            polynomial on the Gram matrix, :func:`dmuon_titan.ns.gram_newton_schulz`: fewer
+            FLOPs for wide matrices, equal in exact arithmetic) or ``"auto"`` (per shape, the
+            one with fewer FLOPs). See ``ns.NS_ALGORITHMS``.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class Muon(torch.optim.Optimizer):
         adamw_foreach: bool | None = None,
         adamw_fused: bool | None = None,
         ns_batch_numel: int = DEFAULT_NS_BATCH_NUMEL,
+        ns_algorithm: str = "plain",
     ) -> None:
         if adamw_lr is None:
             if adjust_lr_fn != "match_rms_adamw":
@@ -91,12 +96,15 @@ class Muon(torch.optim.Optimizer):
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
             ns_batch_numel=ns_batch_numel,
+            ns_algorithm=ns_algorithm,
         )
         ns.normalize_coefficients(ns_coefficients)  # validates; raises naming the value
         #: Not a param-group entry (it stays out of optimizer state dicts): same math per
         #: matrix, though batched and single matmuls round differently in bf16, so results are
         #: not bitwise identical across batch sizes (nor, hence, across owner counts).
         self.ns_batch_numel = ns_batch_numel
+        #: Not a param-group entry either, for the same reason (and old checkpoints lack it).
+        self.ns_algorithm = ns_algorithm
         self._dmuon: DMuonState | None = getattr(model, STATE_ATTR, None)
         if self._dmuon is not None:
             self._dmuon.adopt_registered()
@@ -206,11 +214,11 @@ class Muon(torch.optim.Optimizer):
         """Momentum step + NS of one chunk of same-shape matrices. A batch is filled one
         direction at a time, cast to the NS dtype on copy, so at most one fp32 direction and
         the chunk in the NS dtype are alive (plus NS's own working copies)."""
-        args = (coefficients, group["ns_steps"], group["eps"], group["ns_dtype"])
+        args = (coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], self.ns_algorithm)
         if len(chunk) == 1:
             full = self._gather(self._direction(chunk[0], group))
             self.timer.start("ns")
-            ortho = ns.zeropower_via_newtonschulz(full, *args)
+            ortho = ns.orthogonalize(full, *args)
             self.timer.stop("ns")
             return [ortho]
         batch = None
@@ -221,7 +229,7 @@ class Muon(torch.optim.Optimizer):
             batch[i].copy_(full)
             del full
         self.timer.start("ns")
-        orthos = ns.zeropower_via_newtonschulz(batch, *args).unbind(0)
+        orthos = ns.orthogonalize(batch, *args).unbind(0)
         self.timer.stop("ns")
         return orthos
 
@@ -322,6 +330,8 @@ def _validate_hyperparameters(**kw: Any) -> None:
     numel = kw["ns_batch_numel"]
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise bad("ns_batch_numel", "must be an int >= 0")
+    if kw["ns_algorithm"] not in ns.NS_ALGORITHMS:
+        raise bad("ns_algorithm", f"must be one of {list(ns.NS_ALGORITHMS)}")
 
 
 def ns_chunks(params: Sequence[torch.Tensor], max_numel: int) -> list[list[torch.Tensor]]:

@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""Newton–Schulz throughput per matrix shape vs the measured bf16 matmul rate, one run.
+"""Newton–Schulz throughput per matrix shape and algorithm vs the measured bf16 matmul rate.
 
-For each shape: 5 bf16 NS iterations (Jordan coefficients) on one matrix, and batched as DMuon's
-optimizer batches same-shape matrices (``ns_batch_numel`` elements per call); achieved TFLOP/s
-(``ns.ns_flops``: 2 FLOPs per FMA) and its share of a plain ``N×N @ N×N`` bf16 matmul's rate
-measured in the same process. CUDA events, warm-up, median.
+For each shape and method (``plain``: torch.optim.Muon's iteration; ``gram``: Gram NS with a
+restart, ``gram_pK``: the same with its symmetric products in K row panels): 5 bf16 NS
+iterations (Jordan coefficients) on one matrix, and batched as DMuon's optimizer batches
+same-shape matrices (``ns_batch_numel`` elements per call). Reported: ms per matrix and the
+*plain-equivalent* rate, plain NS FLOPs (``ns.ns_flops``, 2 per FMA) / time, as a share of a
+plain ``N×N @ N×N`` bf16 matmul's rate measured in the same process — above 100 % means the
+method does fewer FLOPs than plain NS. CUDA events, warm-up, median.
 
     python3 scripts/bench_ns.py                 # llama3-8B and the 170M flavor's shapes
-    python3 scripts/bench_ns.py --shapes 4096x4096,14336x4096 --json ns.json
+    python3 scripts/bench_ns.py --shapes 4096x4096,14336x4096 --methods plain,gram_p4 --json ns.json
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=DEFAULT_SHAPES)
     parser.add_argument("--matmul-n", type=int, default=8192, help="N of the reference matmul")
     parser.add_argument("--batch-numel", type=int, default=DEFAULT_NS_BATCH_NUMEL)
+    parser.add_argument("--methods", default="plain,gram,gram_p2,gram_p4")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", default=None)
@@ -42,6 +46,7 @@ def main() -> None:
     matmul_tflops = 2 * n**3 / timed(partial(torch.mm, a, b), device, args.warmup, args.reps) / 1e9
     a = b = None
     coefficients = (ns.JORDAN_COEFFICIENTS,)
+    methods = args.methods.split(",")
     rows = []
     for text in args.shapes.split(","):
         shape = tuple(int(v) for v in text.lower().split("x"))
@@ -52,39 +57,66 @@ def main() -> None:
         batch_numel = args.batch_numel if cuda else args.batch_numel // 32**2
         k = max(1, batch_numel // (shape[0] * shape[1]))
         batch = torch.randn((k, *shape), device=device)
-        run_one = partial(ns.zeropower_via_newtonschulz, one, coefficients, 5, 1e-7)
-        run_batch = partial(ns.zeropower_via_newtonschulz, batch, coefficients, 5, 1e-7)
-        one_ms = timed(run_one, device, args.warmup, args.reps)
-        batch_ms = timed(run_batch, device, args.warmup, args.reps)
-        rows.append(
-            {
-                "shape": list(shape),
-                "gflop": flops / 1e9,
-                "one_ms": one_ms,
-                "one_tflops": flops / one_ms / 1e9,
-                "batch": k,
-                "batch_ms_per_matrix": batch_ms / k,
-                "batch_tflops": k * flops / batch_ms / 1e9,
-            }
-        )
-        one = batch = run_one = run_batch = None  # free before the next shape
+        for method in methods:
+            fn = _method(method, coefficients)
+            one_ms = timed(partial(fn, one), device, args.warmup, args.reps)
+            batch_ms = timed(partial(fn, batch), device, args.warmup, args.reps)
+            rows.append(
+                {
+                    "shape": list(shape),
+                    "method": method,
+                    "gflop": flops / 1e9,
+                    "one_ms": one_ms,
+                    "one_tflops": flops / one_ms / 1e9,
+                    "batch": k,
+                    "batch_ms_per_matrix": batch_ms / k,
+                    "batch_tflops": k * flops / batch_ms / 1e9,
+                }
+            )
+        one = batch = None  # free before the next shape
     name = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"\nbf16 matmul {n}x{n}x{n}: {matmul_tflops:.0f} TFLOP/s on {name}")
     print(
-        "| shape | NS GFLOP | one: ms | one: TFLOP/s | one / matmul | batch | batched: ms/matrix "
-        "| batched: TFLOP/s | batched / matmul |"
+        "| shape | method | plain NS GFLOP | one: ms | one: plain-eq. TFLOP/s | one / matmul "
+        "| batch | batched: ms/matrix | batched: plain-eq. TFLOP/s | batched / matmul |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
-            f"| {r['shape'][0]}x{r['shape'][1]} | {r['gflop']:.0f} | {r['one_ms']:.3f} "
-            f"| {r['one_tflops']:.0f} | {r['one_tflops'] / matmul_tflops:.0%} | {r['batch']} "
-            f"| {r['batch_ms_per_matrix']:.3f} | {r['batch_tflops']:.0f} "
+            f"| {r['shape'][0]}x{r['shape'][1]} | {r['method']} | {r['gflop']:.0f} "
+            f"| {r['one_ms']:.3f} | {r['one_tflops']:.0f} | {r['one_tflops'] / matmul_tflops:.0%} "
+            f"| {r['batch']} | {r['batch_ms_per_matrix']:.3f} | {r['batch_tflops']:.0f} "
             f"| {r['batch_tflops'] / matmul_tflops:.0%} |"
         )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "matmul_tflops": matmul_tflops, "rows": rows}, f, indent=1)
+
+
+def _method(name: str, coefficients):
+    """A one-argument NS function for a method name: plain, gram, gram_pK, each optionally
+    suffixed _fp16 (the NS dtype; bf16 otherwise)."""
+    dtype = torch.float16 if name.endswith("_fp16") else torch.bfloat16
+    base = name.removesuffix("_fp16")
+    if base == "plain":
+        return partial(
+            ns.zeropower_via_newtonschulz,
+            coefficients=coefficients,
+            ns_steps=5,
+            eps=1e-7,
+            dtype=dtype,
+        )
+    if base == "gram" or base.startswith("gram_p"):
+        panels = int(base.removeprefix("gram_p")) if base != "gram" else 1
+        return partial(
+            ns.gram_newton_schulz,
+            coefficients=coefficients,
+            ns_steps=5,
+            eps=1e-7,
+            dtype=dtype,
+            symmetric_panels=panels,
+        )
+    raise SystemExit(f"unknown method {name!r}: plain, gram, gram_pK (+ _fp16)")
 
 
 if __name__ == "__main__":

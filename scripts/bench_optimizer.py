@@ -2,13 +2,15 @@
 """Optimizer benchmark on an FSDP2 stack of llama3-shaped matrices, all variants in one run.
 
 Each variant gets a fresh model of the same shapes (32 blocks × 7 matrices for "8B"), the
-same inputs, and a few timed steps after warm-up: forward+backward of a cheap forward (a few
-tokens, so the time is dominated by each variant's communication and bookkeeping), and the
-optimizer step, timed with CUDA events (median). Variants:
+same inputs, and a few timed steps after warm-up: forward+backward of ``--tokens`` tokens
+(the same compute for every variant; the differences are each variant's communication and
+bookkeeping), and the optimizer step, timed with CUDA events (median). Variants:
 
 - ``adamw``: every matrix on FSDP2, fused ``torch.optim.AdamW``;
 - ``dmuon_z3`` / ``dmuon_z2``: DMuon (dedicated owners, bf16 Newton–Schulz, batched per
-  shape); ``dmuon_z2_unbatched``: one Newton–Schulz call per matrix;
+  shape); ``dmuon_z2_unbatched``: one Newton–Schulz call per matrix; ``dmuon_z3_auto``:
+  ``ns_algorithm="auto"`` (Gram NS where it needs fewer FLOPs), ``dmuon_z3_auto_fp16``: the
+  same in float16;
 - ``naive``: every matrix on FSDP2, all-gather + Newton–Schulz on every rank;
 - ``ns_floor``: only Newton–Schulz (bf16, 5 steps) of this rank's share of the matrices under
   DMuon's partition, no communication, no momentum: the plain-NS floor;
@@ -16,6 +18,11 @@ optimizer step, timed with CUDA events (median). Variants:
   and ``distmuon`` (torchtitan 0.3.0's ``DistMuon``, all-to-all to owners, loaded from
   ``.peers/torchtitan030`` by ``scripts/peers/distmuon_peer.py``); a peer that is not installed
   is reported as skipped.
+
+Gradients have rank ≤ ``--tokens``; Newton–Schulz runs faster on low-rank inputs (its matmuls'
+speed depends on the data), so use at least as many tokens as the model width for NS times
+that hold in training. Forward and backward use TF32 matmuls (a benchmark of the optimizer, not
+of fp32 matmuls); Newton–Schulz runs in its own dtype either way.
 
 Every column is its slowest rank's median, column by column (the step waits for the slowest
 rank at the next collective); the columns of one row may come from different ranks.
@@ -120,7 +127,14 @@ def build(
     else:
         # "..._unbatched": one Newton–Schulz per matrix (the before of batched NS).
         batch = 0 if variant.endswith("_unbatched") else ns_batch_numel
-        optimizer = dmuon.Muon(model, lr=1e-3, adamw_lr=1e-4, ns_batch_numel=batch)
+        optimizer = dmuon.Muon(
+            model,
+            lr=1e-3,
+            adamw_lr=1e-4,
+            ns_batch_numel=batch,
+            ns_algorithm="auto" if "_auto" in variant else "plain",
+            ns_dtype=torch.float16 if variant.endswith("_fp16") else torch.bfloat16,
+        )
     return model, optimizer
 
 
@@ -217,15 +231,17 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(SHAPES), default="8B")
     parser.add_argument(
         "--variants",
-        default="adamw,dmuon_z3,dmuon_z2,dmuon_z2_unbatched,naive,ns_floor,muon_fsdp2,distmuon",
+        default="adamw,dmuon_z3,dmuon_z2,dmuon_z3_auto,dmuon_z3_auto_fp16,naive,ns_floor,"
+        "muon_fsdp2,distmuon",
     )
-    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
+    torch.backends.cuda.matmul.allow_tf32 = True  # forward/backward only: NS casts first
     dist.init_process_group("nccl" if cuda else "gloo")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

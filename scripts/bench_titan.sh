@@ -8,6 +8,8 @@
 #   CONFIG_PREFIX=configs/toy_ scripts/bench_titan.sh /tmp/b --training.steps 6   # CPU smoke
 #   scripts/bench_titan.sh outputs/bench_titan                       # seq 8192, batch 2, full AC
 #   scripts/bench_titan.sh outputs/bench_llm --training.seq_len 2048 --activation_checkpoint.mode none
+# DMUON_ARGS: extra overrides for the DMuon run only, e.g.
+#   DMUON_ARGS="--dmuon.ns_algorithm auto --dmuon.ns_dtype float16" scripts/bench_titan.sh out
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?usage: scripts/bench_titan.sh OUTDIR [torchtitan overrides...]}
@@ -22,9 +24,12 @@ for ((i = 0; i + 1 < ${#args[@]}; i++)); do
   esac
 done
 status=0
+read -r -a dmuon_args <<<"${DMUON_ARGS:-}"
 for opt in adamw dmuon; do
+  extra=()
+  [[ $opt == dmuon ]] && extra=("${dmuon_args[@]}")
   scripts/train.sh "${CONFIG_PREFIX:-configs/llama3_8b_}${opt}.toml" \
-    --job.dump_folder "$OUTDIR/$opt" "$@" >"$OUTDIR/$opt.log" 2>&1 \
+    --job.dump_folder "$OUTDIR/$opt" "$@" "${extra[@]}" >"$OUTDIR/$opt.log" 2>&1 \
     || { echo "$opt run failed: tail of $OUTDIR/$opt.log"; tail -20 "$OUTDIR/$opt.log"; status=1; }
 done
 python3 scripts/titan_log_summary.py --seq-len "$SEQ" --batch "$BATCH" \

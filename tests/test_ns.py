@@ -99,3 +99,109 @@ def test_ns_chunks_group_by_shape_and_bound_the_batch():
     assert [len(ch) for ch in ns_chunks(params, 0)] == [1] * 8
     assert [len(ch) for ch in ns_chunks(params, 10)] == [1] * 8  # smaller than one matrix
     assert sorted(map(len, ns_chunks(params, 10**6))) == [1, 2, 5]
+
+
+# ------------------------------------------------------------------ Gram Newton–Schulz
+GRAM_SHAPES = [(24, 80), (80, 24), (40, 40), (3, 24, 60), (2, 60, 24)]
+
+
+@pytest.mark.parametrize("shape", GRAM_SHAPES)
+@pytest.mark.parametrize("restarts", [(), (2,), (1, 3)])
+@pytest.mark.parametrize("panels", [1, 2, 4, 5])
+def test_gram_ns_is_plain_ns_in_float64(shape, restarts, panels):
+    g = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    coeffs = ns.NS_COEFFICIENT_SETS["polar_express"]  # per-iteration coefficients
+    plain = ns.zeropower_via_newtonschulz(g, coeffs, 6, 1e-7, torch.float64)
+    gram = ns.gram_newton_schulz(g, coeffs, 6, 1e-7, torch.float64, restarts, panels)
+    assert gram.shape == g.shape and gram.dtype == torch.float64
+    torch.testing.assert_close(gram, plain, rtol=0, atol=1e-12)
+
+
+def test_gram_ns_does_not_modify_its_input():
+    g = torch.randn(16, 40, dtype=torch.bfloat16)
+    before = g.clone()
+    ns.gram_newton_schulz(g, (ns.JORDAN_COEFFICIENTS,), 5, 1e-7, torch.bfloat16)
+    assert torch.equal(g, before)
+
+
+@pytest.mark.parametrize("shape", [(12, 30), (2, 12, 30), (10, 10)])
+@pytest.mark.parametrize("panels", [1, 2, 3, 4, 7])
+def test_symmetric_matmul_is_the_product(shape, panels):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(shape, dtype=torch.float64, generator=gen)
+    sym = x @ x.mT
+    torch.testing.assert_close(ns.symmetric_matmul(x, x.mT, panels), sym, rtol=0, atol=1e-12)
+    expected = -0.5 * sym + 2.0 * (sym @ sym)
+    got = ns.symmetric_matmul(sym, sym, panels, addend=sym, beta=-0.5, alpha=2.0)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ns.symmetric_matmul(sym, sym, panels, alpha=3.0), 3 * sym @ sym)
+
+
+@pytest.mark.parametrize("shape", [(24, 80), (80, 24), (40, 40), (8, 64)])
+@pytest.mark.parametrize("restarts", [(), (2,), (1, 3), (4, 9)])
+def test_flop_formulas_count_the_matmuls_that_run(shape, restarts):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    g = torch.randn(shape, dtype=torch.float64)
+    coeffs = (ns.JORDAN_COEFFICIENTS,)
+    with FlopCounterMode(display=False) as plain:
+        ns.zeropower_via_newtonschulz(g, coeffs, 5, 1e-7, torch.float64)
+    with FlopCounterMode(display=False) as gram:
+        ns.gram_newton_schulz(g, coeffs, 5, 1e-7, torch.float64, restarts)
+    assert plain.get_total_flops() == ns.ns_flops(shape, 5)
+    assert gram.get_total_flops() == ns.gram_ns_flops(shape, 5, restarts)
+
+
+def test_auto_picks_the_cheaper_algorithm_per_shape():
+    assert ns.ns_algorithm_for((4096, 4096), "auto") == "plain"
+    assert ns.ns_algorithm_for((14336, 4096), "auto") == "gram"
+    assert ns.ns_algorithm_for((4096, 14336), "auto") == "gram"
+    assert ns.ns_algorithm_for((1024, 4096), "auto") == "gram"
+    assert ns.ns_algorithm_for((4096, 4096), "gram") == "gram"
+    # FLOPs per shape: 14336x4096 is 80 vs 56 units of 4096^3 (Gram with one restart).
+    assert ns.gram_ns_flops((14336, 4096)) * 80 == ns.ns_flops((14336, 4096)) * 56
+    with pytest.raises(ValueError, match="ns_algorithm"):
+        ns.ns_algorithm_for((8, 8), "fast")
+
+
+def _spectrum_matrix(rows, cols, singular_values, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k = min(rows, cols)
+    left, _ = torch.linalg.qr(torch.randn(rows, k, dtype=torch.float64, generator=gen))
+    right, _ = torch.linalg.qr(torch.randn(cols, k, dtype=torch.float64, generator=gen))
+    return (left * singular_values) @ right.T
+
+
+@pytest.mark.parametrize("shape", [(64, 224), (224, 64)])
+def test_gram_ns_half_precision_accuracy(shape):
+    """In bf16 Gram NS stays within a small factor of torch.optim.Muon's own bf16 error, in
+    fp16 it is more accurate than that; without its restart bf16 Gram NS is far off (rounding
+    of the recursive Gram update compounds), which is why the restart is the default."""
+    k = min(shape)
+    g = _spectrum_matrix(*shape, 1.0 / torch.arange(1, k + 1, dtype=torch.float64))
+    coeffs = (ns.JORDAN_COEFFICIENTS,)
+    exact = ns.zeropower_via_newtonschulz(g, coeffs, 5, 1e-7, torch.float64)
+
+    def error(out):
+        return ((out.double() - exact).norm() / exact.norm()).item()
+
+    muon_bf16 = error(_muon._zeropower_via_newtonschulz(g, ns.JORDAN_COEFFICIENTS, 5, 1e-7))
+    gram_bf16 = error(ns.gram_newton_schulz(g, coeffs, 5, 1e-7, torch.bfloat16))
+    gram_fp16 = error(ns.gram_newton_schulz(g, coeffs, 5, 1e-7, torch.float16))
+    no_restart = error(ns.gram_newton_schulz(g, coeffs, 5, 1e-7, torch.bfloat16, restarts=()))
+    assert 1e-3 < muon_bf16 < 0.1
+    assert gram_bf16 < 3 * muon_bf16
+    assert gram_fp16 < muon_bf16 / 2
+    assert no_restart > 10 * muon_bf16
+
+
+@pytest.mark.parametrize("algorithm", ["gram", "auto"])
+def test_orthogonalize_dispatches(algorithm):
+    g = torch.randn(3, 16, 48, dtype=torch.float64)
+    coeffs = (ns.JORDAN_COEFFICIENTS,)
+    out = ns.orthogonalize(g, coeffs, 5, 1e-7, torch.float64, algorithm)
+    torch.testing.assert_close(
+        out, ns.zeropower_via_newtonschulz(g, coeffs, 5, 1e-7, torch.float64)
+    )
+    bf = ns.orthogonalize(g, coeffs, 5, 1e-7, torch.bfloat16, algorithm)
+    assert torch.equal(bf, ns.gram_newton_schulz(g, coeffs, 5, 1e-7, torch.bfloat16))

@@ -254,6 +254,7 @@ BAD_VALUES = [
     (["--dmuon.ns_eps", "0"], "[dmuon] ns_eps"),
     (["--dmuon.small_param_numel", "-1"], "[dmuon] small_param_numel"),
     (["--dmuon.ns_batch_numel", "-5"], "[dmuon] ns_batch_numel"),
+    (["--dmuon.ns_algorithm", "fast"], "[dmuon] ns_algorithm"),
 ]
 
 

@@ -141,6 +141,8 @@ def test_meta_flow_storage_only_on_owner(cpu_mesh):
         ({"lr": 0.02, "adamw_lr": 1e-3, "adamw_betas": (0.9, 1.0)}, "adamw_betas"),
         ({"lr": 0.02, "adamw_lr": 1e-3, "ns_coefficients": "cubic"}, "ns_coefficients"),
         ({"lr": 0.02}, "adamw_lr"),
+        ({"lr": 0.02, "adamw_lr": 1e-3, "ns_algorithm": "fast"}, "ns_algorithm"),
+        ({"lr": 0.02, "adamw_lr": 1e-3, "ns_batch_numel": -1}, "ns_batch_numel"),
     ],
 )
 def test_optimizer_hyperparameters(cpu_mesh, kwargs, name):

@@ -32,6 +32,7 @@ class RunConfig:
     activation_checkpointing: bool = False
     micro_batches: int = 1  # >1: gradient accumulation under dmuon.no_sync
     ns_dtype: torch.dtype = torch.float32
+    ns_algorithm: str = "plain"  # DMuon's; the reference is always torch.optim.Muon's plain NS
     param_dtype: torch.dtype = torch.float32  # the model's (master) dtype
     small_param_numel: int = 0  # 0: every matrix its own unit (exercise multi-owner boundaries)
     lr: float = 0.02
@@ -172,6 +173,7 @@ def build_dmuon(cfg: RunConfig, world_size: int):
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         ns_dtype=cfg.ns_dtype,
+        ns_algorithm=cfg.ns_algorithm,
         ns_coefficients=cfg.ns_coefficients,
         adjust_lr_fn=cfg.adjust_lr_fn,
         adamw_lr=cfg.adamw_lr,

@@ -43,6 +43,7 @@ def muon_kwargs(optimizer_config, dmuon_config) -> dict[str, Any]:
         "adamw_foreach": impl == "foreach",
         "adamw_fused": impl == "fused",
         "ns_batch_numel": dmuon_config.ns_batch_numel,
+        "ns_algorithm": dmuon_config.ns_algorithm,
     }
 
 
