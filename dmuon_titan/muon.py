@@ -28,6 +28,11 @@ ADAMW_GROUP = 1
 #: working copies of that size).
 DEFAULT_NS_BATCH_NUMEL = 2**27
 
+#: Plain NS of a matrix this large already runs near the matmul rate alone, and batching it
+#: measured slower (4096×4096 on H200: 88 % of the matmul rate alone, 79 % as a batch of 8;
+#: docs/benchmarks.md), so such matrices are orthogonalized one at a time.
+PLAIN_NS_UNBATCHED_NUMEL = 4096 * 4096
+
 
 class Muon(torch.optim.Optimizer):
     """DMuon: ``torch.optim.Muon`` semantics on dedicated matrices, AdamW on the rest.
@@ -194,7 +199,7 @@ class Muon(torch.optim.Optimizer):
         coefficients = ns.normalize_coefficients(group["ns_coefficients"])
         stepped = self._stepped_ids()
         todo = [p for p in group["params"] if p.grad is not None and id(p) in stepped]
-        for chunk in ns_chunks(todo, self.ns_batch_numel):
+        for chunk in ns_chunks(todo, self.ns_batch_numel, self.ns_algorithm, group["ns_steps"]):
             orthos = self._orthogonalize(chunk, group, coefficients)
             for p, ortho in zip(chunk, orthos, strict=True):
                 target, ortho = self._scatter(p, ortho)
@@ -334,10 +339,16 @@ def _validate_hyperparameters(**kw: Any) -> None:
         raise bad("ns_algorithm", f"must be one of {list(ns.NS_ALGORITHMS)}")
 
 
-def ns_chunks(params: Sequence[torch.Tensor], max_numel: int) -> list[list[torch.Tensor]]:
+def ns_chunks(
+    params: Sequence[torch.Tensor],
+    max_numel: int,
+    algorithm: str = "plain",
+    ns_steps: int = 5,
+) -> list[list[torch.Tensor]]:
     """Split ``params`` into batches of same (full) shape and dtype, each of at most
-    ``max_numel`` elements (at least one matrix); ``max_numel == 0``: one matrix per batch.
-    Order: shapes by first appearance, params in their order within a shape."""
+    ``max_numel`` elements (at least one matrix); ``max_numel == 0``: one matrix per batch,
+    and so for matrices of ``PLAIN_NS_UNBATCHED_NUMEL`` elements or more that ``algorithm``
+    runs by plain NS. Order: shapes by first appearance, params in their order within a shape."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         by_kind.setdefault((tuple(p.shape), p.dtype), []).append(p)
@@ -345,5 +356,8 @@ def ns_chunks(params: Sequence[torch.Tensor], max_numel: int) -> list[list[torch
     for (shape, _), same in by_kind.items():
         numel = max(1, int(torch.Size(shape).numel()))
         per_chunk = max(1, max_numel // numel) if max_numel else 1
+        plain = ns.ns_algorithm_for(shape, algorithm, ns_steps) == "plain"
+        if plain and numel >= PLAIN_NS_UNBATCHED_NUMEL:
+            per_chunk = 1
         chunks.extend(same[i : i + per_chunk] for i in range(0, len(same), per_chunk))
     return chunks

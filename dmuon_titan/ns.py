@@ -137,6 +137,13 @@ NS_ALGORITHMS = ("plain", "gram", "auto")
 #: small eigenvalues), a restart caps that growth.
 DEFAULT_GRAM_RESTARTS: tuple[int, ...] = (2,)
 
+#: Gram NS computes its symmetric products in this many row panels (``symmetric_matmul``)
+#: when the short side is at least ``SYMMETRIC_PANELS_MIN_SIDE``. Measured on H200
+#: (docs/benchmarks.md): 4 panels make 4096×14336 Gram NS 11 % faster, but slow m = 1024 down
+#: (panels of 256 rows are far from the matmul rate).
+SYMMETRIC_PANELS = 4
+SYMMETRIC_PANELS_MIN_SIDE = 4096
+
 
 def gram_ns_flops(
     shape: Sequence[int], ns_steps: int = 5, restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS
@@ -278,9 +285,14 @@ def orthogonalize(
     algorithm: str = "plain",
 ) -> Tensor:
     """Newton–Schulz by ``algorithm`` (see :data:`NS_ALGORITHMS`; ``"auto"`` decides by the
-    matrix's last two dimensions)."""
+    matrix's last two dimensions). Gram NS uses symmetric row panels on large matrices
+    (:data:`SYMMETRIC_PANELS_MIN_SIDE`)."""
     if ns_algorithm_for(matrix.shape[-2:], algorithm, ns_steps) == "gram":
-        return gram_newton_schulz(matrix, coefficients, ns_steps, eps, dtype)
+        side = min(matrix.shape[-2:])
+        panels = SYMMETRIC_PANELS if side >= SYMMETRIC_PANELS_MIN_SIDE else 1
+        return gram_newton_schulz(
+            matrix, coefficients, ns_steps, eps, dtype, symmetric_panels=panels
+        )
     return zeropower_via_newtonschulz(matrix, coefficients, ns_steps, eps, dtype)
 
 

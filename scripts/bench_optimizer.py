@@ -24,7 +24,8 @@ speed depends on the data), so use at least as many tokens as the model width fo
 that hold in training. Forward and backward use TF32 matmuls (a benchmark of the optimizer, not
 of fp32 matmuls); Newton–Schulz runs in its own dtype either way.
 
-Every column is its slowest rank's median, column by column (the step waits for the slowest
+Peak memory is the variant's own: allocated memory above what was left allocated when it
+started (``leftover_gib`` in the JSON). Every column is its slowest rank's median, column by column (the step waits for the slowest
 rank at the next collective); the columns of one row may come from different ranks.
 
     torchrun --standalone --nproc_per_node=2 scripts/bench_optimizer.py --model 8B
@@ -36,6 +37,7 @@ Prints one markdown table with ratios to AdamW; ``--json PATH`` writes the raw n
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -166,6 +168,11 @@ def run_ns_floor(shape, device, warmup, steps) -> dict:
 def run_variant(variant, shape, mesh, device, tokens, warmup, steps) -> dict:
     if variant == "ns_floor":
         return run_ns_floor(shape, device, warmup, steps)
+    gc.collect()  # earlier variants' modules hold reference cycles (hooks): free them first
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    leftover = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     try:
         model, optimizer = build(variant, shape, mesh, device)
     except (ImportError, OSError) as err:  # a peer not installed here (same on every rank)
@@ -174,8 +181,6 @@ def run_variant(variant, shape, mesh, device, tokens, warmup, steps) -> dict:
         return None
     x = torch.randn(tokens, shape[1], device=device, generator=None)
     fwd_bwd, step, ns = [], [], []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     timer = PhaseTimer(device)
     for i in range(warmup + steps):
         timer.reset()
@@ -192,15 +197,18 @@ def run_variant(variant, shape, mesh, device, tokens, warmup, steps) -> dict:
             step.append(ms["step"])
             if hasattr(optimizer, "step_timings"):
                 ns.append(optimizer.step_timings().get("ns", 0.0))
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    peak = (
+        (torch.cuda.max_memory_allocated() - leftover) / 2**30
+        if device.type == "cuda"
+        else float("nan")
+    )
     del model, optimizer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    fwd_bwd_ms, step_ms, ns_ms, peak = slowest_rank(
+    fwd_bwd_ms, step_ms, ns_ms, peak, leftover_gib = slowest_rank(
         statistics.median(fwd_bwd),
         statistics.median(step),
         statistics.median(ns) if ns else -1.0,
         peak,
+        leftover / 2**30,
     )
     return {
         "variant": variant,
@@ -208,6 +216,7 @@ def run_variant(variant, shape, mesh, device, tokens, warmup, steps) -> dict:
         "step_ms": step_ms,
         "ns_ms": ns_ms if ns else None,
         "peak_gib": peak,
+        "leftover_gib": leftover_gib,
     }
 
 

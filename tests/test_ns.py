@@ -205,3 +205,34 @@ def test_orthogonalize_dispatches(algorithm):
     )
     bf = ns.orthogonalize(g, coeffs, 5, 1e-7, torch.bfloat16, algorithm)
     assert torch.equal(bf, ns.gram_newton_schulz(g, coeffs, 5, 1e-7, torch.bfloat16))
+
+
+def test_plain_ns_of_large_matrices_is_not_batched():
+    from dmuon_titan.muon import PLAIN_NS_UNBATCHED_NUMEL, ns_chunks
+
+    square = [torch.empty(4096, 4096, device="meta") for _ in range(3)]
+    ffn = [torch.empty(14336, 4096, device="meta") for _ in range(3)]
+    assert 4096 * 4096 >= PLAIN_NS_UNBATCHED_NUMEL
+    assert [len(c) for c in ns_chunks(square, 2**27, "plain")] == [1, 1, 1]
+    assert [len(c) for c in ns_chunks(square, 2**27, "auto")] == [1, 1, 1]  # auto: plain
+    assert [len(c) for c in ns_chunks(square, 2**27, "gram")] == [3]
+    assert [len(c) for c in ns_chunks(ffn, 2**27, "auto")] == [2, 1]  # Gram: batched
+    assert [len(c) for c in ns_chunks(ffn, 2**27, "plain")] == [1, 1, 1]
+
+
+def test_large_gram_ns_uses_symmetric_panels(monkeypatch):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    g = torch.randn(32, 96, dtype=torch.float64)
+    coeffs = (ns.JORDAN_COEFFICIENTS,)
+    with FlopCounterMode(display=False) as below:
+        out_below = ns.orthogonalize(g, coeffs, 5, 1e-7, torch.float64, "gram")
+    monkeypatch.setattr(ns, "SYMMETRIC_PANELS_MIN_SIDE", 32)
+    with FlopCounterMode(display=False) as above:
+        out_above = ns.orthogonalize(g, coeffs, 5, 1e-7, torch.float64, "gram")
+    assert below.get_total_flops() == ns.gram_ns_flops(g.shape)
+    # 4 panels: the m×m products cost 5/8, the Gram matrices XXᵀ too; only Q·X stays whole.
+    m, n = 32, 96
+    whole_qx = 2 * 2 * m * m * n
+    assert above.get_total_flops() == (below.get_total_flops() - whole_qx) * 5 // 8 + whole_qx
+    torch.testing.assert_close(out_above, out_below, rtol=0, atol=1e-12)

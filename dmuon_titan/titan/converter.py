@@ -141,7 +141,8 @@ class DMuonConverter:
             f"{len(summary['boundaries'])} hook boundaries, NS GFLOP per rank "
             f"{[round(x / 1e9, 1) for x in loads]} (imbalance {summary['imbalance']:.3f}), "
             f"{summary['bytes_per_rank_per_step']['total'] / 2**20:.1f} MiB per rank per step "
-            f"({'Z3' if cfg.reshard_after_forward else 'Z2'})"
+            f"({'Z3' if cfg.reshard_after_forward else 'Z2'}); NS {cfg.ns_algorithm} in "
+            f"{cfg.ns_dtype}"
         )
 
     def post_optimizer_hook(self, model) -> None:
