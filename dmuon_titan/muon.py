@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
-from . import ns
+from . import fused, ns
 from .runtime.owned_param import is_dedicated
 from .runtime.state import STATE_ATTR, DMuonState
 from .timing import PhaseTimer
@@ -187,10 +187,6 @@ class Muon(torch.optim.Optimizer):
             return set()
         return {id(p.owned) for p in self._dmuon.params if p.is_owner}
 
-    def _gather(self, direction: torch.Tensor) -> torch.Tensor:
-        """The whole matrix to orthogonalize (an owner already holds it whole)."""
-        return direction
-
     def _scatter(self, param: torch.Tensor, ortho: torch.Tensor):
         """(the tensor to update, its part of ``ortho``): the whole matrix for an owner."""
         return param, ortho
@@ -216,34 +212,40 @@ class Muon(torch.optim.Optimizer):
     def _orthogonalize(
         self, chunk: list[torch.Tensor], group: dict[str, Any], coefficients
     ) -> Sequence[torch.Tensor]:
-        """Momentum step + NS of one chunk of same-shape matrices. A batch is filled one
-        direction at a time, cast to the NS dtype on copy, so at most one fp32 direction and
-        the chunk in the NS dtype are alive (plus NS's own working copies)."""
+        """Momentum step + NS of one chunk of same-shape matrices. The directions are written
+        straight into one NS-dtype buffer (the chunk's batch, or a single matrix), which NS
+        then uses as its own scratch: no full-precision direction is ever materialized."""
         args = (coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], self.ns_algorithm)
-        if len(chunk) == 1:
-            full = self._gather(self._direction(chunk[0], group))
-            self.timer.start("ns")
-            ortho = ns.orthogonalize(full, *args)
-            self.timer.stop("ns")
-            return [ortho]
-        batch = None
+        shape = chunk[0].shape  # the whole matrix's (also for a DTensor)
+        single = len(chunk) == 1
+        batch = torch.empty(
+            shape if single else (len(chunk), *shape),
+            dtype=group["ns_dtype"],
+            device=chunk[0].device,
+        )
         for i, p in enumerate(chunk):
-            full = self._gather(self._direction(p, group))
-            if batch is None:
-                batch = full.new_empty((len(chunk), *full.shape), dtype=group["ns_dtype"])
-            batch[i].copy_(full)
-            del full
+            self._write_direction(p, group, batch if single else batch[i])
         self.timer.start("ns")
-        orthos = ns.orthogonalize(batch, *args).unbind(0)
+        orthos = ns.orthogonalize(batch, *args, overwrite_input=True)
         self.timer.stop("ns")
-        return orthos
+        return [orthos] if single else orthos.unbind(0)
 
-    def _direction(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    def _write_direction(self, p: torch.Tensor, group: dict[str, Any], out: torch.Tensor) -> None:
+        """Momentum step for ``p``; its whole direction, cast, into ``out`` (one fused pass on
+        a GPU; eagerly, the cast happens in lerp's store, rounding once as a copy would)."""
+        fused.momentum_direction_into(
+            p.grad, self._momentum_buffer(p), out, group["momentum"], group["nesterov"]
+        )
+
+    def _momentum_buffer(self, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
+
+    def _direction(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         return ns.momentum_direction(
-            p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"]
+            p.grad, self._momentum_buffer(p), group["momentum"], group["nesterov"]
         )
 
     def _adamw_step(self, group: dict[str, Any]) -> None:

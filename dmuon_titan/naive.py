@@ -52,6 +52,9 @@ class NaiveMuon(Muon):
     def _gather(self, direction: torch.Tensor) -> torch.Tensor:
         return direction.full_tensor() if isinstance(direction, DTensor) else direction
 
+    def _write_direction(self, p: torch.Tensor, group, out: torch.Tensor) -> None:
+        out.copy_(self._gather(self._direction(p, group)))
+
     def _scatter(self, param: torch.Tensor, ortho: torch.Tensor):
         if not isinstance(param, DTensor):
             return param, ortho

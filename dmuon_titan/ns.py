@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .fused import decay_and_update_
+
 Coefficients = tuple[float, float, float]
 
 JORDAN_COEFFICIENTS: Coefficients = (3.4445, -4.7750, 2.0315)
@@ -94,6 +96,8 @@ def zeropower_via_newtonschulz(
     ns_steps: int,
     eps: float,
     dtype: torch.dtype = torch.bfloat16,
+    symmetric_panels: int = 1,
+    overwrite_input: bool = False,
 ) -> Tensor:
     """Approximate the orthogonal polar factor of ``matrix`` (2-D, or a batch of same-shape 3-D).
 
@@ -101,16 +105,28 @@ def zeropower_via_newtonschulz(
     when tall, divide by the Frobenius norm clamped at ``eps``, then ``ns_steps`` iterations of
     X ← aX + (bA + cA²)X with A = XXᵀ. Iteration ``i`` uses ``coefficients[min(i, len - 1)]``.
     Returns a tensor of ``dtype`` and of ``matrix``'s shape; ``matrix`` is never modified.
+    ``symmetric_panels`` > 1 computes the two symmetric products (A and A²) by
+    :func:`symmetric_matmul` (no longer bitwise ``torch.optim.Muon``'s rounding).
+    ``overwrite_input``: ``matrix`` (already of ``dtype``) may be used as scratch, saving a copy.
     """
     if matrix.ndim not in (2, 3):
         raise ValueError(
             f"Newton-Schulz needs a 2-D matrix or a 3-D batch, got {tuple(matrix.shape)}"
         )
     tall = matrix.size(-2) > matrix.size(-1)
-    x = matrix.to(dtype, copy=True)
+    x = matrix if overwrite_input and matrix.dtype == dtype else matrix.to(dtype, copy=True)
     if tall:
         x = x.mT
-    if matrix.ndim == 2:
+    if symmetric_panels > 1:
+        x.div_(torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
+        for i in range(ns_steps):
+            a, b, c = coefficients[min(i, len(coefficients) - 1)]
+            gram = symmetric_matmul(x, x.mT, symmetric_panels)
+            gram_update = symmetric_matmul(
+                gram, gram, symmetric_panels, addend=gram, beta=b, alpha=c
+            )
+            x = (torch.baddbmm if x.ndim == 3 else torch.addmm)(x, gram_update, x, beta=a)
+    elif matrix.ndim == 2:
         x.div_(x.norm().clamp(min=eps))
         for i in range(ns_steps):
             a, b, c = coefficients[min(i, len(coefficients) - 1)]
@@ -233,6 +249,7 @@ def gram_newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
     symmetric_panels: int = 1,
+    overwrite_input: bool = False,
 ) -> Tensor:
     """The same polynomial iteration as :func:`zeropower_via_newtonschulz`, run on the Gram
     matrix: equal in exact arithmetic, fewer FLOPs when one side is much longer.
@@ -244,14 +261,15 @@ def gram_newton_schulz(
     from it, which keeps half-precision rounding from compounding: without a restart bf16
     results can be off by far more than the matrix itself). Every product but Q X_0 is
     symmetric, so ``symmetric_panels`` > 1 computes them by :func:`symmetric_matmul`.
-    2-D or a 3-D batch; returns ``dtype`` in ``matrix``'s shape; ``matrix`` is never modified.
+    2-D or a 3-D batch; returns ``dtype`` in ``matrix``'s shape; ``matrix`` is not modified
+    unless ``overwrite_input`` (then, when already of ``dtype``, it is used as scratch).
     """
     if matrix.ndim not in (2, 3):
         raise ValueError(
             f"Newton-Schulz needs a 2-D matrix or a 3-D batch, got {tuple(matrix.shape)}"
         )
     tall = matrix.size(-2) > matrix.size(-1)
-    x = matrix.to(dtype, copy=True)
+    x = matrix if overwrite_input and matrix.dtype == dtype else matrix.to(dtype, copy=True)
     if tall:
         x = x.mT
     x.div_(torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
@@ -283,17 +301,29 @@ def orthogonalize(
     eps: float,
     dtype: torch.dtype = torch.bfloat16,
     algorithm: str = "plain",
+    overwrite_input: bool = False,
 ) -> Tensor:
     """Newton–Schulz by ``algorithm`` (see :data:`NS_ALGORITHMS`; ``"auto"`` decides by the
-    matrix's last two dimensions). Gram NS uses symmetric row panels on large matrices
-    (:data:`SYMMETRIC_PANELS_MIN_SIDE`)."""
+    matrix's last two dimensions). On large matrices (:data:`SYMMETRIC_PANELS_MIN_SIDE`)
+    Gram NS, and the plain NS that ``"auto"`` picks, compute their symmetric products in row
+    panels; ``"plain"`` keeps ``torch.optim.Muon``'s exact operations."""
+    side = min(matrix.shape[-2:])
+    panels = SYMMETRIC_PANELS if side >= SYMMETRIC_PANELS_MIN_SIDE else 1
     if ns_algorithm_for(matrix.shape[-2:], algorithm, ns_steps) == "gram":
-        side = min(matrix.shape[-2:])
-        panels = SYMMETRIC_PANELS if side >= SYMMETRIC_PANELS_MIN_SIDE else 1
         return gram_newton_schulz(
-            matrix, coefficients, ns_steps, eps, dtype, symmetric_panels=panels
+            matrix,
+            coefficients,
+            ns_steps,
+            eps,
+            dtype,
+            symmetric_panels=panels,
+            overwrite_input=overwrite_input,
         )
-    return zeropower_via_newtonschulz(matrix, coefficients, ns_steps, eps, dtype)
+    if algorithm == "plain":  # torch.optim.Muon's iteration, rounding included
+        panels = 1
+    return zeropower_via_newtonschulz(
+        matrix, coefficients, ns_steps, eps, dtype, panels, overwrite_input
+    )
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
@@ -332,5 +362,5 @@ def apply_update(
 
     ``shape`` is the full matrix shape when ``param``/``ortho`` are one shard of it.
     """
-    param.mul_(1 - lr * weight_decay)
-    param.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, param.shape if shape is None else shape))
+    step = adjusted_lr(lr, adjust_lr_fn, param.shape if shape is None else shape)
+    decay_and_update_(param, ortho, 1 - lr * weight_decay, step)

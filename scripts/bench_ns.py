@@ -2,7 +2,7 @@
 """Newton–Schulz throughput per matrix shape and algorithm vs the measured bf16 matmul rate.
 
 For each shape and method (``plain``: torch.optim.Muon's iteration; ``gram``: Gram NS with a
-restart, ``gram_pK``: the same with its symmetric products in K row panels): 5 bf16 NS
+restart; ``plain_pK``/``gram_pK``: the same with their symmetric products in K row panels): 5 bf16 NS
 iterations (Jordan coefficients) on one matrix, and batched as DMuon's optimizer batches
 same-shape matrices (``ns_batch_numel`` elements per call). Reported: ms per matrix and the
 *plain-equivalent* rate, plain NS FLOPs (``ns.ns_flops``, 2 per FMA) / time, as a share of a
@@ -94,17 +94,19 @@ def main() -> None:
 
 
 def _method(name: str, coefficients):
-    """A one-argument NS function for a method name: plain, gram, gram_pK, each optionally
-    suffixed _fp16 (the NS dtype; bf16 otherwise)."""
+    """A one-argument NS function for a method name: plain, plain_pK, gram, gram_pK (K
+    symmetric row panels), each optionally suffixed _fp16 (the NS dtype; bf16 otherwise)."""
     dtype = torch.float16 if name.endswith("_fp16") else torch.bfloat16
     base = name.removesuffix("_fp16")
-    if base == "plain":
+    if base == "plain" or base.startswith("plain_p"):
+        panels = int(base.removeprefix("plain_p")) if base != "plain" else 1
         return partial(
             ns.zeropower_via_newtonschulz,
             coefficients=coefficients,
             ns_steps=5,
             eps=1e-7,
             dtype=dtype,
+            symmetric_panels=panels,
         )
     if base == "gram" or base.startswith("gram_p"):
         panels = int(base.removeprefix("gram_p")) if base != "gram" else 1
@@ -116,7 +118,7 @@ def _method(name: str, coefficients):
             dtype=dtype,
             symmetric_panels=panels,
         )
-    raise SystemExit(f"unknown method {name!r}: plain, gram, gram_pK (+ _fp16)")
+    raise SystemExit(f"unknown method {name!r}: plain, plain_pK, gram, gram_pK (+ _fp16)")
 
 
 if __name__ == "__main__":

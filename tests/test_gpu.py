@@ -23,6 +23,7 @@ GPU_CASES = [
     in (
         "z3",
         "z2",
+        "gram",
         "z3+ac",
         "z2+ac+no_sync",
         "z3+clip",
