@@ -305,8 +305,8 @@ def orthogonalize(
 ) -> Tensor:
     """Newton–Schulz by ``algorithm`` (see :data:`NS_ALGORITHMS`; ``"auto"`` decides by the
     matrix's last two dimensions). On large matrices (:data:`SYMMETRIC_PANELS_MIN_SIDE`)
-    Gram NS, and the plain NS that ``"auto"`` picks, compute their symmetric products in row
-    panels; ``"plain"`` keeps ``torch.optim.Muon``'s exact operations."""
+    Gram NS computes its symmetric products in row panels; plain NS is always
+    ``torch.optim.Muon``'s exact operations."""
     side = min(matrix.shape[-2:])
     panels = SYMMETRIC_PANELS if side >= SYMMETRIC_PANELS_MIN_SIDE else 1
     if ns_algorithm_for(matrix.shape[-2:], algorithm, ns_steps) == "gram":
@@ -319,10 +319,9 @@ def orthogonalize(
             symmetric_panels=panels,
             overwrite_input=overwrite_input,
         )
-    if algorithm == "plain":  # torch.optim.Muon's iteration, rounding included
-        panels = 1
+    # Plain NS without panels: on 4096x4096 (H200) 4 panels measured 5 % slower one at a time.
     return zeropower_via_newtonschulz(
-        matrix, coefficients, ns_steps, eps, dtype, panels, overwrite_input
+        matrix, coefficients, ns_steps, eps, dtype, overwrite_input=overwrite_input
     )
 
 
