@@ -2,10 +2,13 @@
 
 The owner's step touches every dedicated element a few times outside Newton–Schulz (momentum,
 Nesterov direction, cast to the NS dtype, weight decay, update). On a GPU these passes are
-bandwidth-bound, so fusing them saves real time (about a sixth of the non-NS step time on
-llama3-8B, docs/benchmarks.md). The Triton kernels run for contiguous CUDA tensors when Triton
-imports; everything else takes the eager path, which is the reference: the kernels follow
-its formulas (``torch.lerp``'s two-sided form) and differ from it by at most fp32 rounding.
+bandwidth-bound: on the llama3-8B matrix stack (2×H200) writing the direction straight into the
+NS buffer and these two kernels cut the non-NS part of the step from 46–50 to 21–22 ms
+(docs/benchmarks.md). The Triton kernels run for contiguous CUDA tensors when Triton imports;
+everything else takes the eager path, which is the reference: the kernels follow its formulas
+(``torch.lerp``'s two-sided form, the momentum buffer rounded to its dtype before use) and
+differ only in rounding — fp32 contraction, and the update rounds once where ``mul_`` then
+``add_`` round twice (visible only for half-precision parameters).
 ``DMUON_FUSED=0`` in the environment turns the kernels off.
 """
 
@@ -64,8 +67,8 @@ def momentum_direction_into(
             buffer,
             out,
             grad.numel(),
-            1 - momentum,
-            momentum,
+            float(1 - momentum),
+            float(momentum),
             NESTEROV=nesterov,
             BLOCK=_BLOCK,
         )
@@ -125,7 +128,9 @@ if triton is not None:
         grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
         buf = tl.load(buf_ptr + offsets, mask=mask).to(tl.float32)
         buf = _lerp(buf, grad, buffer_weight)
-        tl.store(buf_ptr + offsets, buf.to(buf_ptr.dtype.element_ty), mask=mask)
+        buf = buf.to(buf_ptr.dtype.element_ty)
+        tl.store(buf_ptr + offsets, buf, mask=mask)
+        buf = buf.to(tl.float32)  # the stored value, as the eager path reads it back
         if NESTEROV:
             direction = _lerp(grad, buf, direction_weight)
         else:

@@ -207,7 +207,7 @@ class Muon(torch.optim.Optimizer):
                     adjust_lr_fn=group["adjust_lr_fn"],
                     shape=p.shape,
                 )
-            del orthos  # views of the chunk's batch: free it before the next chunk
+            del orthos  # views of NS's output for the chunk: free it before the next chunk
 
     def _orthogonalize(
         self, chunk: list[torch.Tensor], group: dict[str, Any], coefficients
@@ -232,7 +232,14 @@ class Muon(torch.optim.Optimizer):
 
     def _write_direction(self, p: torch.Tensor, group: dict[str, Any], out: torch.Tensor) -> None:
         """Momentum step for ``p``; its whole direction, cast, into ``out`` (one fused pass on
-        a GPU; eagerly, the cast happens in lerp's store, rounding once as a copy would)."""
+        a GPU; eagerly, the cast happens in lerp's store, rounding once as a copy would). For
+        a float16 ``out`` the direction is normalized first, in full precision."""
+        if out.dtype == torch.float16 and p.grad.dtype != torch.float16:
+            # float16's range: normalize in full precision first (see ns._to_ns_dtype).
+            direction = self._direction(p, group)
+            norm = direction.norm().clamp(min=group["eps"])
+            torch.div(direction, norm, out=out)
+            return
         fused.momentum_direction_into(
             p.grad, self._momentum_buffer(p), out, group["momentum"], group["nesterov"]
         )

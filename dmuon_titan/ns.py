@@ -90,6 +90,20 @@ def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
     return ns_steps * (4 * m * m * n + 2 * m * m * m)
 
 
+def _to_ns_dtype(matrix: Tensor, dtype: torch.dtype, eps: float, overwrite_input: bool) -> Tensor:
+    """``matrix`` in ``dtype`` (a copy unless ``overwrite_input`` and already of ``dtype``).
+
+    float16 has 5 exponent bits: gradient-sized entries (≈1e-6 and below) lose their precision
+    and large ones overflow when cast as they are, so a wider input is normalized (Frobenius
+    norm, per matrix) before the cast — NS normalizes anyway, so this changes no value beyond
+    rounding. bfloat16 keeps torch.optim.Muon's order: cast, then normalize.
+    """
+    if dtype == torch.float16 and matrix.dtype != torch.float16:
+        norm = torch.linalg.matrix_norm(matrix, keepdim=True).clamp(min=eps)
+        return (matrix / norm).to(dtype)
+    return matrix if overwrite_input and matrix.dtype == dtype else matrix.to(dtype, copy=True)
+
+
 def zeropower_via_newtonschulz(
     matrix: Tensor,
     coefficients: Sequence[Coefficients],
@@ -104,17 +118,17 @@ def zeropower_via_newtonschulz(
     Same algorithm and operation order as ``torch.optim.Muon``: cast to ``dtype``, transpose
     when tall, divide by the Frobenius norm clamped at ``eps``, then ``ns_steps`` iterations of
     X ← aX + (bA + cA²)X with A = XXᵀ. Iteration ``i`` uses ``coefficients[min(i, len - 1)]``.
-    Returns a tensor of ``dtype`` and of ``matrix``'s shape; ``matrix`` is never modified.
-    ``symmetric_panels`` > 1 computes the two symmetric products (A and A²) by
+    Returns a tensor of ``dtype`` and of ``matrix``'s shape. ``symmetric_panels`` > 1 computes the two symmetric products (A and A²) by
     :func:`symmetric_matmul` (no longer bitwise ``torch.optim.Muon``'s rounding).
-    ``overwrite_input``: ``matrix`` (already of ``dtype``) may be used as scratch, saving a copy.
+    ``overwrite_input``: ``matrix`` (already of ``dtype``) may be used as scratch, saving a copy
+    (otherwise ``matrix`` is never modified). float16: see :func:`_to_ns_dtype`.
     """
     if matrix.ndim not in (2, 3):
         raise ValueError(
             f"Newton-Schulz needs a 2-D matrix or a 3-D batch, got {tuple(matrix.shape)}"
         )
     tall = matrix.size(-2) > matrix.size(-1)
-    x = matrix if overwrite_input and matrix.dtype == dtype else matrix.to(dtype, copy=True)
+    x = _to_ns_dtype(matrix, dtype, eps, overwrite_input)
     if tall:
         x = x.mT
     if symmetric_panels > 1:
@@ -269,7 +283,7 @@ def gram_newton_schulz(
             f"Newton-Schulz needs a 2-D matrix or a 3-D batch, got {tuple(matrix.shape)}"
         )
     tall = matrix.size(-2) > matrix.size(-1)
-    x = matrix if overwrite_input and matrix.dtype == dtype else matrix.to(dtype, copy=True)
+    x = _to_ns_dtype(matrix, dtype, eps, overwrite_input)
     if tall:
         x = x.mT
     x.div_(torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))

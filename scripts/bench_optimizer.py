@@ -250,7 +250,8 @@ def main() -> None:
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
-    torch.backends.cuda.matmul.allow_tf32 = True  # forward/backward only: NS casts first
+    # Global, but only fp32 matmuls use it: forward/backward here (NS runs in bf16/fp16).
+    torch.backends.cuda.matmul.allow_tf32 = True
     dist.init_process_group("nccl" if cuda else "gloo")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -33,7 +33,7 @@ METHODS = {
 }
 
 
-def test_matrix(shape, spectrum: str, device, seed: int = 0) -> torch.Tensor:
+def make_matrix(shape, spectrum: str, device, seed: int = 0) -> torch.Tensor:
     """A float64 matrix of ``shape`` with the named singular-value spectrum."""
     g = torch.Generator(device=device).manual_seed(seed)
     rows, cols = shape
@@ -68,6 +68,13 @@ def main() -> None:
     parser.add_argument("--shapes", default="128x448,448x128,192x192")
     parser.add_argument("--spectra", default=",".join(SPECTRA))
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply every matrix by this (float16 needs its input normalized before the "
+        "cast; try 1e-7, a clipped 8B model's gradient entries)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,7 +87,7 @@ def main() -> None:
     for text in args.shapes.split(","):
         shape = tuple(int(v) for v in text.lower().split("x"))
         for spectrum in args.spectra.split(","):
-            g = test_matrix(shape, spectrum, device)
+            g = make_matrix(shape, spectrum, device) * args.scale
             reference = ns.zeropower_via_newtonschulz(g, coefficients, 5, 1e-7, torch.float64)
             errors = {}
             for m in methods:

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.optim import _muon
 
+import dmuon_titan
 from dmuon_titan import ns
 
 SHAPES = [(32, 32), (48, 32), (32, 48), (7, 129)]
@@ -124,6 +125,16 @@ def test_gram_ns_does_not_modify_its_input():
     assert torch.equal(g, before)
 
 
+@pytest.mark.parametrize("shape", [(40, 40), (3, 40, 40), (24, 80), (80, 24)])
+@pytest.mark.parametrize("panels", [2, 4, 5])
+def test_plain_ns_with_symmetric_panels_is_plain_ns_in_float64(shape, panels):
+    g = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    coeffs = ns.NS_COEFFICIENT_SETS["polar_express"]
+    plain = ns.zeropower_via_newtonschulz(g, coeffs, 6, 1e-7, torch.float64)
+    paneled = ns.zeropower_via_newtonschulz(g, coeffs, 6, 1e-7, torch.float64, panels)
+    torch.testing.assert_close(paneled, plain, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("shape", [(12, 30), (2, 12, 30), (10, 10)])
 @pytest.mark.parametrize("panels", [1, 2, 3, 4, 7])
 def test_symmetric_matmul_is_the_product(shape, panels):
@@ -236,3 +247,40 @@ def test_large_gram_ns_uses_symmetric_panels(monkeypatch):
     whole_qx = 2 * 2 * m * m * n
     assert above.get_total_flops() == (below.get_total_flops() - whole_qx) * 5 // 8 + whole_qx
     torch.testing.assert_close(out_above, out_below, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [1e-7, 1e5])
+@pytest.mark.parametrize("algorithm", ["plain", "gram"])
+def test_float16_ns_is_normalized_before_the_cast(scale, algorithm):
+    """float16 cannot hold gradient-sized (≈1e-7) or large entries as they are; NS in float16
+    normalizes its wider input first and stays more accurate than torch.optim.Muon's bf16."""
+    g = torch.randn(64, 224, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    g = g * scale
+    coeffs = (ns.JORDAN_COEFFICIENTS,)
+    exact = ns.zeropower_via_newtonschulz(g, coeffs, 5, 1e-7, torch.float64)
+    fp16 = ns.orthogonalize(g, coeffs, 5, 1e-7, torch.float16, algorithm).double()
+    bf16 = _muon._zeropower_via_newtonschulz(g.float(), ns.JORDAN_COEFFICIENTS, 5, 1e-7).double()
+    assert torch.isfinite(fp16).all()
+    assert (fp16 - exact).norm() < (bf16 - exact).norm() / 2
+
+
+def test_muon_float16_step_on_gradient_sized_directions(cpu_mesh):
+    from .toy_model import ToyTransformer, dedicated_predicate
+
+    def step(ns_dtype):
+        torch.manual_seed(0)
+        model = ToyTransformer()
+        dmuon_titan.dedicate_params(model, cpu_mesh, dedicated_predicate)
+        opt = dmuon_titan.Muon(model, lr=0.02, adamw_lr=1e-3, weight_decay=0.0, ns_dtype=ns_dtype)
+        params = opt.param_groups[0]["params"]
+        gen = torch.Generator().manual_seed(1)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-7  # clipped 8B-model scale
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        return [p.detach().double() - b.double() for p, b in zip(params, before, strict=True)]
+
+    exact, half, brain = step(torch.float64), step(torch.float16), step(torch.bfloat16)
+    for e, h, b in zip(exact, half, brain, strict=True):
+        assert torch.isfinite(h).all() and e.norm() > 0
+        assert (h - e).norm() < (b - e).norm() / 2

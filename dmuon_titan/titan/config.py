@@ -85,7 +85,8 @@ class DMuon:
 
     ns_dtype: str = "bfloat16"
     """dtype the Newton-Schulz iterations run in: "bfloat16" (torch.optim.Muon's), "float16"
-    (same speed, 3 more mantissa bits: about 8x smaller NS error; see docs/benchmarks.md),
+    (3 more mantissa bits: about 8x smaller NS error; the direction is normalized before the
+    cast, a few % slower; see docs/benchmarks.md),
     "float32" or "float64"."""
 
     ns_algorithm: str = "plain"
