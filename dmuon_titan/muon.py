@@ -235,10 +235,8 @@ class Muon(torch.optim.Optimizer):
         a GPU; eagerly, the cast happens in lerp's store, rounding once as a copy would). For
         a float16 ``out`` the direction is normalized first, in full precision."""
         if out.dtype == torch.float16 and p.grad.dtype != torch.float16:
-            # float16's range: normalize in full precision first (see ns._to_ns_dtype).
-            direction = self._direction(p, group)
-            norm = direction.norm().clamp(min=group["eps"])
-            torch.div(direction, norm, out=out)
+            # float16's range: normalize in full precision first.
+            ns.normalize_into(self._direction(p, group), out, group["eps"])
             return
         fused.momentum_direction_into(
             p.grad, self._momentum_buffer(p), out, group["momentum"], group["nesterov"]

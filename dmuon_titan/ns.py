@@ -90,18 +90,34 @@ def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
     return ns_steps * (4 * m * m * n + 2 * m * m * m)
 
 
-def _to_ns_dtype(matrix: Tensor, dtype: torch.dtype, eps: float, overwrite_input: bool) -> Tensor:
-    """``matrix`` in ``dtype`` (a copy unless ``overwrite_input`` and already of ``dtype``).
+def normalize_into(matrix: Tensor, out: Tensor, eps: float) -> Tensor:
+    """``out ← matrix / ‖matrix‖_F`` per matrix (norm clamped at ``eps``), rounded once to
+    ``out``'s dtype. The float16 way into NS: float16 has 5 exponent bits, so gradient-sized
+    entries (≈1e-6 and below) lose their precision and large ones overflow when cast as they
+    are; NS normalizes anyway, so normalizing first changes no value beyond rounding."""
+    norm = torch.linalg.matrix_norm(matrix, keepdim=True).clamp(min=eps)
+    return torch.div(matrix, norm, out=out)
 
-    float16 has 5 exponent bits: gradient-sized entries (≈1e-6 and below) lose their precision
-    and large ones overflow when cast as they are, so a wider input is normalized (Frobenius
-    norm, per matrix) before the cast — NS normalizes anyway, so this changes no value beyond
-    rounding. bfloat16 keeps torch.optim.Muon's order: cast, then normalize.
-    """
+
+def _wide_ns_input(
+    matrix: Tensor, dtype: torch.dtype, eps: float, overwrite_input: bool
+) -> tuple[Tensor, bool]:
+    """(X in ``dtype``, transposed to be wide; whether ``matrix`` was tall). X is a copy
+    unless ``overwrite_input`` and ``matrix`` is already of ``dtype``. A wider input to
+    float16 NS is normalized before the cast (:func:`normalize_into`); otherwise
+    torch.optim.Muon's order: cast here, normalize afterwards."""
+    if matrix.ndim not in (2, 3):
+        raise ValueError(
+            f"Newton-Schulz needs a 2-D matrix or a 3-D batch, got {tuple(matrix.shape)}"
+        )
     if dtype == torch.float16 and matrix.dtype != torch.float16:
-        norm = torch.linalg.matrix_norm(matrix, keepdim=True).clamp(min=eps)
-        return (matrix / norm).to(dtype)
-    return matrix if overwrite_input and matrix.dtype == dtype else matrix.to(dtype, copy=True)
+        x = normalize_into(matrix, torch.empty_like(matrix, dtype=dtype), eps)
+    elif overwrite_input and matrix.dtype == dtype:
+        x = matrix
+    else:
+        x = matrix.to(dtype, copy=True)
+    tall = matrix.size(-2) > matrix.size(-1)
+    return (x.mT if tall else x), tall
 
 
 def zeropower_via_newtonschulz(
@@ -121,16 +137,9 @@ def zeropower_via_newtonschulz(
     Returns a tensor of ``dtype`` and of ``matrix``'s shape. ``symmetric_panels`` > 1 computes the two symmetric products (A and A²) by
     :func:`symmetric_matmul` (no longer bitwise ``torch.optim.Muon``'s rounding).
     ``overwrite_input``: ``matrix`` (already of ``dtype``) may be used as scratch, saving a copy
-    (otherwise ``matrix`` is never modified). float16: see :func:`_to_ns_dtype`.
+    (otherwise ``matrix`` is never modified). float16: see :func:`_wide_ns_input`.
     """
-    if matrix.ndim not in (2, 3):
-        raise ValueError(
-            f"Newton-Schulz needs a 2-D matrix or a 3-D batch, got {tuple(matrix.shape)}"
-        )
-    tall = matrix.size(-2) > matrix.size(-1)
-    x = _to_ns_dtype(matrix, dtype, eps, overwrite_input)
-    if tall:
-        x = x.mT
+    x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
     if symmetric_panels > 1:
         x.div_(torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
         for i in range(ns_steps):
@@ -226,14 +235,13 @@ def symmetric_matmul(
     not divide m, computes the whole product. ``addend`` must be symmetric too. 2-D or 3-D.
     """
     m = a.size(-2)
+    fn = torch.baddbmm if a.ndim == 3 else torch.addmm
     if panels <= 1 or m % panels or m < 2 * panels:
         if addend is None:
             return a @ b if alpha == 1.0 else torch.mul(a @ b, alpha)
-        fn = torch.baddbmm if a.ndim == 3 else torch.addmm
         return fn(addend, a, b, beta=beta, alpha=alpha)
     out = a.new_empty((*a.shape[:-2], m, m))
     h = m // panels
-    fn = torch.baddbmm if a.ndim == 3 else torch.addmm
     for i in range(panels):
         rows, cols = slice(i * h, (i + 1) * h), slice(i * h, m)
         target = out[..., rows, cols]
@@ -278,16 +286,9 @@ def gram_newton_schulz(
     2-D or a 3-D batch; returns ``dtype`` in ``matrix``'s shape; ``matrix`` is not modified
     unless ``overwrite_input`` (then, when already of ``dtype``, it is used as scratch).
     """
-    if matrix.ndim not in (2, 3):
-        raise ValueError(
-            f"Newton-Schulz needs a 2-D matrix or a 3-D batch, got {tuple(matrix.shape)}"
-        )
-    tall = matrix.size(-2) > matrix.size(-1)
-    x = _to_ns_dtype(matrix, dtype, eps, overwrite_input)
-    if tall:
-        x = x.mT
+    x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
     x.div_(torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
-    panels = symmetric_panels
+    panels = symmetric_panels  # every product but Q·X is symmetric
     restart_at = {r for r in restarts if 0 < r < ns_steps}
     q = None  # None: the identity (X is current)
     gram = symmetric_matmul(x, x.mT, panels)
@@ -321,9 +322,9 @@ def orthogonalize(
     matrix's last two dimensions). On large matrices (:data:`SYMMETRIC_PANELS_MIN_SIDE`)
     Gram NS computes its symmetric products in row panels; plain NS is always
     ``torch.optim.Muon``'s exact operations."""
-    side = min(matrix.shape[-2:])
-    panels = SYMMETRIC_PANELS if side >= SYMMETRIC_PANELS_MIN_SIDE else 1
     if ns_algorithm_for(matrix.shape[-2:], algorithm, ns_steps) == "gram":
+        side = min(matrix.shape[-2:])
+        panels = SYMMETRIC_PANELS if side >= SYMMETRIC_PANELS_MIN_SIDE else 1
         return gram_newton_schulz(
             matrix,
             coefficients,

@@ -96,29 +96,19 @@ def main() -> None:
 def _method(name: str, coefficients):
     """A one-argument NS function for a method name: plain, plain_pK, gram, gram_pK (K
     symmetric row panels), each optionally suffixed _fp16 (the NS dtype; bf16 otherwise)."""
+    functions = {"plain": ns.zeropower_via_newtonschulz, "gram": ns.gram_newton_schulz}
     dtype = torch.float16 if name.endswith("_fp16") else torch.bfloat16
-    base = name.removesuffix("_fp16")
-    if base == "plain" or base.startswith("plain_p"):
-        panels = int(base.removeprefix("plain_p")) if base != "plain" else 1
-        return partial(
-            ns.zeropower_via_newtonschulz,
-            coefficients=coefficients,
-            ns_steps=5,
-            eps=1e-7,
-            dtype=dtype,
-            symmetric_panels=panels,
-        )
-    if base == "gram" or base.startswith("gram_p"):
-        panels = int(base.removeprefix("gram_p")) if base != "gram" else 1
-        return partial(
-            ns.gram_newton_schulz,
-            coefficients=coefficients,
-            ns_steps=5,
-            eps=1e-7,
-            dtype=dtype,
-            symmetric_panels=panels,
-        )
-    raise SystemExit(f"unknown method {name!r}: plain, plain_pK, gram, gram_pK (+ _fp16)")
+    algorithm, _, panels = name.removesuffix("_fp16").partition("_p")
+    if algorithm not in functions or not (panels == "" or panels.isdigit()):
+        raise SystemExit(f"unknown method {name!r}: plain, plain_pK, gram, gram_pK (+ _fp16)")
+    return partial(
+        functions[algorithm],
+        coefficients=coefficients,
+        ns_steps=5,
+        eps=1e-7,
+        dtype=dtype,
+        symmetric_panels=int(panels or 1),
+    )
 
 
 if __name__ == "__main__":
