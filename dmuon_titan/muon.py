@@ -354,8 +354,8 @@ def ns_chunks(
 ) -> list[list[torch.Tensor]]:
     """Split ``params`` into batches of same (full) shape and dtype, each of at most
     ``max_numel`` elements (at least one matrix); ``max_numel == 0``: one matrix per batch,
-    and so for matrices of ``PLAIN_NS_UNBATCHED_NUMEL`` elements or more that ``algorithm``
-    runs by plain NS. Order: shapes by first appearance, params in their order within a shape."""
+    and so for matrices of ``PLAIN_NS_UNBATCHED_NUMEL`` elements or more when ``algorithm``
+    is ``"plain"``. Order: shapes by first appearance, params in their order within a shape."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         by_kind.setdefault((tuple(p.shape), p.dtype), []).append(p)
@@ -363,8 +363,9 @@ def ns_chunks(
     for (shape, _), same in by_kind.items():
         numel = max(1, int(torch.Size(shape).numel()))
         per_chunk = max(1, max_numel // numel) if max_numel else 1
-        plain = ns.ns_algorithm_for(shape, algorithm, ns_steps) == "plain"
-        if plain and numel >= PLAIN_NS_UNBATCHED_NUMEL:
+        # Only torch.optim.Muon's exact plain NS (cuBLAS); "auto" runs plain NS's symmetric
+        # products by the symmetric kernel, which batches well (docs/benchmarks.md).
+        if algorithm == "plain" and numel >= PLAIN_NS_UNBATCHED_NUMEL:
             per_chunk = 1
         chunks.extend(same[i : i + per_chunk] for i in range(0, len(same), per_chunk))
     return chunks

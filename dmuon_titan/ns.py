@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import symmetric
 from .fused import decay_and_update_
 
 Coefficients = tuple[float, float, float]
@@ -128,6 +129,7 @@ def zeropower_via_newtonschulz(
     dtype: torch.dtype = torch.bfloat16,
     symmetric_panels: int = 1,
     overwrite_input: bool = False,
+    symmetric_kernel: bool = False,
 ) -> Tensor:
     """Approximate the orthogonal polar factor of ``matrix`` (2-D, or a batch of same-shape 3-D).
 
@@ -138,16 +140,16 @@ def zeropower_via_newtonschulz(
     :func:`symmetric_matmul` (no longer bitwise ``torch.optim.Muon``'s rounding).
     ``overwrite_input``: ``matrix`` (already of ``dtype``) may be used as scratch, saving a copy
     (otherwise ``matrix`` is never modified). float16: see :func:`_wide_ns_input`.
+    ``symmetric_kernel``: the same, by the Triton kernel of :mod:`.symmetric` where it runs.
     """
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
-    if symmetric_panels > 1:
+    if symmetric_panels > 1 or symmetric_kernel:
         x.div_(torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
+        sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}
         for i in range(ns_steps):
             a, b, c = coefficients[min(i, len(coefficients) - 1)]
-            gram = symmetric_matmul(x, x.mT, symmetric_panels)
-            gram_update = symmetric_matmul(
-                gram, gram, symmetric_panels, addend=gram, beta=b, alpha=c
-            )
+            gram = symmetric_matmul(x, x.mT, **sym)
+            gram_update = symmetric_matmul(gram, gram, addend=gram, beta=b, alpha=c, **sym)
             x = (torch.baddbmm if x.ndim == 3 else torch.addmm)(x, gram_update, x, beta=a)
     elif matrix.ndim == 2:
         x.div_(x.norm().clamp(min=eps))
@@ -224,9 +226,14 @@ def symmetric_matmul(
     addend: Tensor | None = None,
     beta: float = 1.0,
     alpha: float = 1.0,
+    diagonal: float = 0.0,
+    kernel: bool = False,
 ) -> Tensor:
-    """``beta·addend + alpha·(a @ b)`` for a product known to be symmetric (XXᵀ, or two
-    commuting symmetric matrices), computing only its upper block triangle.
+    """``beta·addend + alpha·(a @ b) + diagonal·I`` for a product known to be symmetric
+    (XXᵀ, or two commuting symmetric matrices), computing only its upper block triangle.
+
+    ``kernel``: by :func:`.symmetric.symmetric_mm` (half the FLOPs, one pass) where it runs;
+    otherwise as follows.
 
     The m rows are cut into ``panels`` row panels; panel i multiplies only from its diagonal
     block rightwards (m·(m − i·h) outputs instead of m·m), and the blocks below the diagonal
@@ -234,6 +241,19 @@ def symmetric_matmul(
     price of smaller matmuls and ``panels − 1`` block copies. ``panels`` ≤ 1, or one that does
     not divide m, computes the whole product. ``addend`` must be symmetric too. 2-D or 3-D.
     """
+    if kernel:
+        out = symmetric.symmetric_mm(a, b, addend=addend, alpha=alpha, beta=beta, diagonal=diagonal)
+        if out is not None:
+            return out
+    out = _symmetric_matmul_panels(a, b, panels, addend, beta, alpha)
+    if diagonal:
+        out.diagonal(dim1=-2, dim2=-1).add_(diagonal)
+    return out
+
+
+def _symmetric_matmul_panels(
+    a: Tensor, b: Tensor, panels: int, addend: Tensor | None, beta: float, alpha: float
+) -> Tensor:
     m = a.size(-2)
     fn = torch.baddbmm if a.ndim == 3 else torch.addmm
     if panels <= 1 or m % panels or m < 2 * panels:
@@ -272,6 +292,7 @@ def gram_newton_schulz(
     restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
     symmetric_panels: int = 1,
     overwrite_input: bool = False,
+    symmetric_kernel: bool = False,
 ) -> Tensor:
     """The same polynomial iteration as :func:`zeropower_via_newtonschulz`, run on the Gram
     matrix: equal in exact arithmetic, fewer FLOPs when one side is much longer.
@@ -282,28 +303,28 @@ def gram_newton_schulz(
     Q X_0 at the end and at every iteration listed in ``restarts`` (where R is recomputed
     from it, which keeps half-precision rounding from compounding: without a restart bf16
     results can be off by far more than the matrix itself). Every product but Q X_0 is
-    symmetric, so ``symmetric_panels`` > 1 computes them by :func:`symmetric_matmul`.
+    symmetric, so ``symmetric_panels`` > 1 or ``symmetric_kernel`` computes them by
+    :func:`symmetric_matmul`.
     2-D or a 3-D batch; returns ``dtype`` in ``matrix``'s shape; ``matrix`` is not modified
     unless ``overwrite_input`` (then, when already of ``dtype``, it is used as scratch).
     """
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
     x.div_(torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
-    panels = symmetric_panels  # every product but Q·X is symmetric
+    sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}  # all products but Q·X
     restart_at = {r for r in restarts if 0 < r < ns_steps}
     q = None  # None: the identity (X is current)
-    gram = symmetric_matmul(x, x.mT, panels)
+    gram = symmetric_matmul(x, x.mT, **sym)
     for i in range(ns_steps):
         a, b, c = coefficients[min(i, len(coefficients) - 1)]
-        poly = symmetric_matmul(gram, gram, panels, addend=gram, beta=b, alpha=c)
-        poly.diagonal(dim1=-2, dim2=-1).add_(a)
-        q = poly if q is None else symmetric_matmul(poly, q, panels)
+        poly = symmetric_matmul(gram, gram, addend=gram, beta=b, alpha=c, diagonal=a, **sym)
+        q = poly if q is None else symmetric_matmul(poly, q, **sym)
         if i == ns_steps - 1:
             break
         if i + 1 in restart_at:
             x, q = q @ x, None
-            gram = symmetric_matmul(x, x.mT, panels)
+            gram = symmetric_matmul(x, x.mT, **sym)
         else:
-            gram = symmetric_matmul(poly, symmetric_matmul(gram, poly, panels), panels)
+            gram = symmetric_matmul(poly, symmetric_matmul(gram, poly, **sym), **sym)
     if q is not None:
         x = q @ x
     return x.mT if tall else x
@@ -319,12 +340,18 @@ def orthogonalize(
     overwrite_input: bool = False,
 ) -> Tensor:
     """Newton–Schulz by ``algorithm`` (see :data:`NS_ALGORITHMS`; ``"auto"`` decides by the
-    matrix's last two dimensions). On large matrices (:data:`SYMMETRIC_PANELS_MIN_SIDE`)
-    Gram NS computes its symmetric products in row panels; plain NS is always
-    ``torch.optim.Muon``'s exact operations."""
-    if ns_algorithm_for(matrix.shape[-2:], algorithm, ns_steps) == "gram":
-        side = min(matrix.shape[-2:])
-        panels = SYMMETRIC_PANELS if side >= SYMMETRIC_PANELS_MIN_SIDE else 1
+    matrix's last two dimensions).
+
+    ``"plain"`` is always ``torch.optim.Muon``'s exact operations. ``"gram"`` and ``"auto"``
+    compute their symmetric products (X·Xᵀ, and plain NS's A² as well) by the Triton kernel
+    of :mod:`.symmetric` where it runs (CUDA, half precision, sides multiples of its tile);
+    elsewhere Gram NS cuts them into row panels on large matrices
+    (:data:`SYMMETRIC_PANELS_MIN_SIDE`) and plain NS is torch.optim.Muon's."""
+    choice = ns_algorithm_for(matrix.shape[-2:], algorithm, ns_steps)
+    short, long = sorted(matrix.shape[-2:])
+    kernel = algorithm != "plain" and symmetric.runs_for(short, long, dtype, matrix.device)
+    if choice == "gram":
+        panels = SYMMETRIC_PANELS if short >= SYMMETRIC_PANELS_MIN_SIDE else 1
         return gram_newton_schulz(
             matrix,
             coefficients,
@@ -333,10 +360,17 @@ def orthogonalize(
             dtype,
             symmetric_panels=panels,
             overwrite_input=overwrite_input,
+            symmetric_kernel=kernel,
         )
     # Plain NS without panels: on 4096x4096 (H200) 4 panels measured 5 % slower one at a time.
     return zeropower_via_newtonschulz(
-        matrix, coefficients, ns_steps, eps, dtype, overwrite_input=overwrite_input
+        matrix,
+        coefficients,
+        ns_steps,
+        eps,
+        dtype,
+        overwrite_input=overwrite_input,
+        symmetric_kernel=kernel,
     )
 
 

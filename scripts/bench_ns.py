@@ -37,6 +37,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="METHOD",
+        help="instead of the table: profile METHOD on the first shape (batched), print kernels",
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -46,6 +52,9 @@ def main() -> None:
     matmul_tflops = 2 * n**3 / timed(partial(torch.mm, a, b), device, args.warmup, args.reps) / 1e9
     a = b = None
     coefficients = (ns.JORDAN_COEFFICIENTS,)
+    if args.profile:
+        _profile(args, coefficients, device)
+        return
     methods = args.methods.split(",")
     rows = []
     for text in args.shapes.split(","):
@@ -93,14 +102,38 @@ def main() -> None:
             json.dump({"device": name, "matmul_tflops": matmul_tflops, "rows": rows}, f, indent=1)
 
 
+def _profile(args, coefficients, device: torch.device) -> None:
+    """Kernel time by kernel name for one batched call of ``args.profile`` on the first shape,
+    and the GPU's busy share of the call's wall time (gaps: launch overhead)."""
+    shape = tuple(int(v) for v in args.shapes.split(",")[0].lower().split("x"))
+    k = max(1, args.batch_numel // (shape[0] * shape[1]))
+    batch = torch.randn((k, *shape), device=device)
+    fn = partial(_method(args.profile, coefficients), batch)
+    for _ in range(args.warmup):
+        fn()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(f"{args.profile} on {k}x{shape[0]}x{shape[1]}")
+    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=90))
+
+
 def _method(name: str, coefficients):
-    """A one-argument NS function for a method name: plain, plain_pK, gram, gram_pK (K
-    symmetric row panels), each optionally suffixed _fp16 (the NS dtype; bf16 otherwise)."""
+    """A one-argument NS function for a method name: plain or gram, optionally suffixed _pK
+    (symmetric products in K row panels) or _k (by the Triton kernel of
+    dmuon_titan.symmetric), then optionally _fp16 (the NS dtype; bf16 otherwise)."""
     functions = {"plain": ns.zeropower_via_newtonschulz, "gram": ns.gram_newton_schulz}
     dtype = torch.float16 if name.endswith("_fp16") else torch.bfloat16
-    algorithm, _, panels = name.removesuffix("_fp16").partition("_p")
-    if algorithm not in functions or not (panels == "" or panels.isdigit()):
-        raise SystemExit(f"unknown method {name!r}: plain, plain_pK, gram, gram_pK (+ _fp16)")
+    algorithm, _, variant = name.removesuffix("_fp16").partition("_")
+    kernel = variant == "k"
+    panels = variant[1:] if variant.startswith("p") else ""
+    if algorithm not in functions or not (kernel or variant == "" or panels.isdigit()):
+        raise SystemExit(f"unknown method {name!r}: plain|gram, then _pK or _k, then _fp16")
     return partial(
         functions[algorithm],
         coefficients=coefficients,
@@ -108,6 +141,7 @@ def _method(name: str, coefficients):
         eps=1e-7,
         dtype=dtype,
         symmetric_panels=int(panels or 1),
+        symmetric_kernel=kernel,
     )
 
 

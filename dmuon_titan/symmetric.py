@@ -1,0 +1,186 @@
+"""Symmetric matrix products on the GPU: compute the upper tiles only, store each twice.
+
+Gram Newton–Schulz spends most of its FLOPs on products known to be symmetric (X·Xᵀ, and
+products of commuting symmetric matrices). cuBLAS has no half-precision SYRK, and cutting the
+product into row panels of ordinary matmuls (``ns.symmetric_matmul``) saves only
+(panels − 1)/(2·panels) of the FLOPs, in smaller matmuls that fill the GPU worse, and then
+copies the lower blocks from their transposed mirror images. The Triton kernel here launches
+one program per upper-triangular output tile (i ≤ j): it accumulates A[i]·B[:, j] in fp32,
+applies ``alpha``, ``beta·addend`` and ``diagonal·I``, and stores the tile at (i, j) and its
+transpose at (j, i) — half the FLOPs of the full product, no second pass over memory.
+
+:func:`symmetric_mm` returns ``None`` whenever the kernel cannot run (no Triton, not CUDA,
+not bf16/fp16, sizes not multiples of the tile, ``DMUON_FUSED=0``); the caller then takes its
+cuBLAS path. The result differs from cuBLAS's only in fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import fused
+
+triton = fused.triton
+if triton is not None:
+    import triton.language as tl
+
+#: Output tile side (square: a tile's mirror image is a tile) and the K step.
+TILE = 128
+TILE_K = 64
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def runs_for(rows: int, inner: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel runs for a product of ``rows``×``inner`` by ``inner``×``rows``
+    matrices of ``dtype`` on ``device``."""
+    return (
+        fused.enabled()
+        and torch.device(device).type == "cuda"
+        and dtype in _HALF
+        and rows % TILE == 0
+        and inner % TILE_K == 0
+    )
+
+
+def supported(a: Tensor, b: Tensor) -> bool:
+    """Whether :func:`symmetric_mm` runs its kernel for ``a @ b`` (else it returns None)."""
+    return (
+        a.ndim == b.ndim
+        and a.ndim in (2, 3)
+        and b.dtype == a.dtype
+        and b.device == a.device
+        and a.shape[:-2] == b.shape[:-2]
+        and a.size(-2) == b.size(-1)
+        and a.size(-1) == b.size(-2)
+        and runs_for(a.size(-2), a.size(-1), a.dtype, a.device)
+    )
+
+
+def symmetric_mm(
+    a: Tensor,
+    b: Tensor,
+    *,
+    addend: Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    diagonal: float = 0.0,
+) -> Tensor | None:
+    """``alpha·(a @ b) + beta·addend + diagonal·I`` for a product known to be symmetric
+    (m×k @ k×m, or a batch of them; ``addend`` symmetric m×m), or ``None`` where the kernel
+    does not run (see :func:`supported`). Any strides: ``b`` may be ``a.mT``."""
+    if not supported(a, b):
+        return None
+    return launch(a, b, addend=addend, alpha=alpha, beta=beta, diagonal=diagonal)
+
+
+def launch(
+    a: Tensor,
+    b: Tensor,
+    *,
+    addend: Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    diagonal: float = 0.0,
+    tile: int = TILE,
+    tile_k: int = TILE_K,
+    num_warps: int = 8,
+    num_stages: int = 3,
+) -> Tensor:
+    """Run the kernel without :func:`supported`'s checks (tests run it in float32 in Triton's
+    interpreter; ``float32`` inputs use IEEE fp32 dots, not TF32)."""
+    batched = a.ndim == 3
+    a3 = a if batched else a.unsqueeze(0)
+    b3 = b if batched else b.unsqueeze(0)
+    batch, m, k = a3.shape
+    out = a3.new_empty((batch, m, m))
+    add3 = (
+        out if addend is None else (addend if batched else addend.unsqueeze(0)).expand(batch, m, m)
+    )
+    tiles = m // tile
+    grid = (tiles * (tiles + 1) // 2, batch)
+    _symmetric_mm_kernel[grid](
+        a3,
+        b3,
+        out,
+        add3,
+        m,
+        k,
+        *a3.stride(),
+        *b3.stride(),
+        *out.stride(),
+        *add3.stride(),
+        float(alpha),
+        float(beta),
+        float(diagonal),
+        HAS_ADDEND=addend is not None,
+        IEEE=a.dtype == torch.float32,
+        TILE=tile,
+        TILE_K=tile_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out if batched else out.squeeze(0)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _symmetric_mm_kernel(
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        d_ptr,
+        m,
+        k,
+        a_sb,
+        a_sm,
+        a_sk,
+        b_sb,
+        b_sk,
+        b_sn,
+        c_sb,
+        c_sm,
+        c_sn,
+        d_sb,
+        d_sm,
+        d_sn,
+        alpha,
+        beta,
+        diagonal,
+        HAS_ADDEND: tl.constexpr,
+        IEEE: tl.constexpr,
+        TILE: tl.constexpr,
+        TILE_K: tl.constexpr,
+    ):
+        # Upper-triangular tiles numbered column by column: pid = j(j+1)/2 + i, i <= j.
+        pid = tl.program_id(0)
+        batch = tl.program_id(1).to(tl.int64)
+        j = ((tl.sqrt(8.0 * pid + 1.0) - 1.0) * 0.5).to(tl.int32)
+        j = tl.where((j + 1) * (j + 2) // 2 <= pid, j + 1, j)  # float rounding, either way
+        j = tl.where(j * (j + 1) // 2 > pid, j - 1, j)
+        i = pid - j * (j + 1) // 2
+        rows = i * TILE + tl.arange(0, TILE)
+        cols = j * TILE + tl.arange(0, TILE)
+        ks = tl.arange(0, TILE_K)
+        a_ptrs = a_ptr + batch * a_sb + rows[:, None] * a_sm + ks[None, :] * a_sk
+        b_ptrs = b_ptr + batch * b_sb + ks[:, None] * b_sk + cols[None, :] * b_sn
+        acc = tl.zeros((TILE, TILE), dtype=tl.float32)
+        for _ in range(0, k // TILE_K):
+            if IEEE:
+                acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc)
+            a_ptrs += TILE_K * a_sk
+            b_ptrs += TILE_K * b_sk
+        acc = acc * alpha
+        if HAS_ADDEND:
+            d_ptrs = d_ptr + batch * d_sb + rows[:, None] * d_sm + cols[None, :] * d_sn
+            acc += beta * tl.load(d_ptrs).to(tl.float32)
+        acc += tl.where(rows[:, None] == cols[None, :], diagonal, 0.0)
+        out = acc.to(c_ptr.dtype.element_ty)
+        c_base = c_ptr + batch * c_sb
+        tl.store(c_base + rows[:, None] * c_sm + cols[None, :] * c_sn, out)
+        if i != j:  # the mirror tile: element (r, c) of this tile is C[c, r]
+            tl.store(c_base + rows[:, None] * c_sn + cols[None, :] * c_sm, out)
