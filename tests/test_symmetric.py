@@ -124,5 +124,5 @@ def test_ns_with_the_kernel_is_as_accurate_as_with_cublas(algorithm, shape):
     def error(x):
         return ((x.double() - exact).norm() / exact.norm()).item()
 
-    assert not torch.equal(with_kernel, without)  # the kernel did run
+    assert not torch.equal(with_kernel, without), "the kernel did not run"
     assert error(with_kernel) <= 1.25 * error(without) + 1e-3, (error(with_kernel), error(without))
