@@ -86,7 +86,7 @@ def launch(
     tile: int = TILE,
     tile_k: int = TILE_K,
     num_warps: int = 8,
-    num_stages: int = 3,
+    num_stages: int = 4,
 ) -> Tensor:
     """Run the kernel without :func:`supported`'s checks (tests run it in float32 in Triton's
     interpreter; ``float32`` inputs use IEEE fp32 dots, not TF32)."""

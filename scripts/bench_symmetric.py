@@ -25,7 +25,7 @@ from dmuon_titan import ns, symmetric
 from dmuon_titan.timing import median_milliseconds as timed
 
 DEFAULT_CASES = "1x4096x14336,8x4096x14336,1x4096sq,8x4096sq,32x1024x4096,32x1024sq"
-DEFAULT_CONFIGS = "128/64/8/3,128/64/8/4,128/128/8/3,64/64/4/4"
+DEFAULT_CONFIGS = "128/64/8/4,128/64/8/3,128/128/8/3,64/64/4/4"
 
 
 def main() -> None:
