@@ -28,9 +28,10 @@ ADAMW_GROUP = 1
 #: working copies of that size).
 DEFAULT_NS_BATCH_NUMEL = 2**27
 
-#: Plain NS of a matrix this large already runs near the matmul rate alone, and batching it
-#: measured slower (4096×4096 on H200: 88 % of the matmul rate alone, 79 % as a batch of 8;
-#: docs/benchmarks.md), so such matrices are orthogonalized one at a time.
+#: Plain NS (cuBLAS, ``ns_algorithm="plain"``) of a matrix this large already runs near the
+#: matmul rate alone, and batching it measured slower (4096×4096 on H200: 88 % of the matmul
+#: rate alone, 79 % as a batch of 8; docs/benchmarks.md), so such matrices are orthogonalized
+#: one at a time. With the symmetric kernel ("auto") batching is as fast or faster.
 PLAIN_NS_UNBATCHED_NUMEL = 4096 * 4096
 
 
@@ -56,7 +57,9 @@ class Muon(torch.optim.Optimizer):
         ns_algorithm: ``"plain"`` (``torch.optim.Muon``'s iteration), ``"gram"`` (the same
             polynomial on the Gram matrix, :func:`dmuon_titan.ns.gram_newton_schulz`: fewer
             FLOPs for wide matrices, equal in exact arithmetic) or ``"auto"`` (per shape, the
-            one with fewer FLOPs). See ``ns.NS_ALGORITHMS``.
+            one with fewer FLOPs). ``"gram"``/``"auto"`` run their symmetric products by the
+            Triton kernel of :mod:`dmuon_titan.symmetric` on CUDA (bf16/fp16); ``"plain"``
+            is always torch.optim.Muon's operations. See ``ns.orthogonalize``.
     """
 
     def __init__(

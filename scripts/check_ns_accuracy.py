@@ -22,11 +22,13 @@ import torch
 from dmuon_titan import ns
 
 SPECTRA = ("gauss", "powerlaw1", "powerlaw2", "lowrank16")
-#: name -> (algorithm, dtype, Gram restarts, symmetric panels)
+#: name -> (algorithm, dtype, Gram restarts, symmetric panels or "k": the Triton kernel)
 METHODS = {
     "plain_bf16": ("plain", torch.bfloat16, (), 1),
     "plain_fp16": ("plain", torch.float16, (), 1),
+    "plain_k_bf16": ("plain", torch.bfloat16, (), "k"),
     "gram_bf16": ("gram", torch.bfloat16, ns.DEFAULT_GRAM_RESTARTS, 1),
+    "gram_k_bf16": ("gram", torch.bfloat16, ns.DEFAULT_GRAM_RESTARTS, "k"),
     "gram_p4_bf16": ("gram", torch.bfloat16, ns.DEFAULT_GRAM_RESTARTS, 4),
     "gram_fp16": ("gram", torch.float16, ns.DEFAULT_GRAM_RESTARTS, 1),
     "gram_norestart_bf16": ("gram", torch.bfloat16, (), 1),
@@ -58,9 +60,11 @@ def make_matrix(shape, spectrum: str, device, seed: int = 0) -> torch.Tensor:
 
 def run(method: str, g: torch.Tensor, coefficients) -> torch.Tensor:
     algorithm, dtype, restarts, panels = METHODS[method]
+    kernel = {"symmetric_kernel": panels == "k"}
     if algorithm == "plain":
-        return ns.zeropower_via_newtonschulz(g, coefficients, 5, 1e-7, dtype)
-    return ns.gram_newton_schulz(g, coefficients, 5, 1e-7, dtype, restarts, panels)
+        return ns.zeropower_via_newtonschulz(g, coefficients, 5, 1e-7, dtype, **kernel)
+    panels = 1 if panels == "k" else panels
+    return ns.gram_newton_schulz(g, coefficients, 5, 1e-7, dtype, restarts, panels, **kernel)
 
 
 def main() -> None:

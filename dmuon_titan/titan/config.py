@@ -93,7 +93,10 @@ class DMuon:
     """How Newton-Schulz is computed: "plain" (torch.optim.Muon's iteration), "gram" (the same
     polynomial iterated on the m x m Gram matrix, with a restart: fewer FLOPs for wide
     matrices, equal in exact arithmetic; pair it with ns_dtype = "float16", where it is more
-    accurate than plain bfloat16) or "auto" (per shape, whichever needs fewer FLOPs)."""
+    accurate than plain bfloat16) or "auto" (per shape, whichever needs fewer FLOPs). On CUDA
+    in bfloat16/float16, "gram" and "auto" compute their symmetric products (X Xᵀ, A²) by a
+    Triton kernel that does half the FLOPs (dmuon_titan/symmetric.py); "plain" stays
+    torch.optim.Muon's exact operations."""
 
     ns_eps: float = 1e-7
     """Floor of the Frobenius norm that normalizes the matrix before Newton-Schulz."""
