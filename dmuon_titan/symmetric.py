@@ -41,6 +41,7 @@ def runs_for(rows: int, inner: int, dtype: torch.dtype, device: torch.device) ->
         and dtype in _HALF
         and rows % TILE == 0
         and inner % TILE_K == 0
+        and rows * max(rows, inner) < 2**31  # offsets within one matrix are 32-bit
     )
 
 
