@@ -103,7 +103,40 @@ def decay_and_update_(param: Tensor, update: Tensor, decay: float, step: float) 
     param.add_(update, alpha=-step)
 
 
+def divide_(matrices: Tensor, norms: Tensor) -> Tensor:
+    """``matrices ← matrices / norms`` in place: one matrix (``norms`` 0-d or 1×1) or a 3-D
+    batch (``norms`` of shape (B, 1, 1)), as ``Tensor.div_`` rounds it (fp32 division,
+    round to nearest, one rounding to the matrices' dtype). Eager ``div_`` broadcasts the
+    per-matrix norm through an unvectorized kernel: on H200 0.17 ms per 4096×14336 bf16
+    matrix, a few % of its Newton–Schulz; fused, one vectorized pass."""
+    batch = matrices.size(0) if matrices.ndim == 3 else 1
+    # Elementwise: a transposed view (NS's tall matrices) is divided through its storage.
+    storage = matrices if matrices.is_contiguous() else matrices.mT
+    if (
+        matrices.ndim in (2, 3)
+        and norms.numel() == batch
+        and norms.dtype == matrices.dtype
+        and norms.device == matrices.device
+        and _fusable(storage)
+    ):
+        per_matrix = matrices.numel() // max(batch, 1)
+        grid = (triton.cdiv(per_matrix, _BLOCK), batch)
+        _divide_kernel[grid](storage, norms.reshape(batch), per_matrix, BLOCK=_BLOCK)
+        return matrices
+    return matrices.div_(norms)
+
+
 if triton is not None:
+
+    @triton.jit
+    def _divide_kernel(x_ptr, norm_ptr, per_matrix, BLOCK: tl.constexpr):
+        matrix = tl.program_id(1).to(tl.int64)
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < per_matrix
+        ptrs = x_ptr + matrix * per_matrix + offsets
+        norm = tl.load(norm_ptr + matrix).to(tl.float32)
+        x = tl.load(ptrs, mask=mask).to(tl.float32)
+        tl.store(ptrs, tl.div_rn(x, norm).to(x_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _lerp(start, end, weight):

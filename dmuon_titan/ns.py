@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import symmetric
-from .fused import decay_and_update_
+from .fused import decay_and_update_, divide_
 
 Coefficients = tuple[float, float, float]
 
@@ -144,7 +144,7 @@ def zeropower_via_newtonschulz(
     """
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
     if symmetric_panels > 1 or symmetric_kernel:
-        x.div_(torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
+        divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
         sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}
         for i in range(ns_steps):
             a, b, c = coefficients[min(i, len(coefficients) - 1)]
@@ -152,14 +152,14 @@ def zeropower_via_newtonschulz(
             gram_update = symmetric_matmul(gram, gram, addend=gram, beta=b, alpha=c, **sym)
             x = (torch.baddbmm if x.ndim == 3 else torch.addmm)(x, gram_update, x, beta=a)
     elif matrix.ndim == 2:
-        x.div_(x.norm().clamp(min=eps))
+        divide_(x, x.norm().clamp(min=eps))
         for i in range(ns_steps):
             a, b, c = coefficients[min(i, len(coefficients) - 1)]
             gram = x @ x.T
             gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
             x = torch.addmm(x, gram_update, x, beta=a)
     else:
-        x.div_(torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))  # x is our copy
+        divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))  # x is our copy
         for i in range(ns_steps):
             a, b, c = coefficients[min(i, len(coefficients) - 1)]
             gram = torch.bmm(x, x.mT)
@@ -309,7 +309,7 @@ def gram_newton_schulz(
     unless ``overwrite_input`` (then, when already of ``dtype``, it is used as scratch).
     """
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
-    x.div_(torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
+    divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
     sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}  # all products but Q·X
     restart_at = {r for r in restarts if 0 < r < ns_steps}
     q = None  # None: the identity (X is current)

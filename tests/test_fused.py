@@ -131,6 +131,11 @@ for transposed in (False, True):
         param, update, 70, 130, update.stride(0), update.stride(1), 0.99, 0.1, TILE=fused._TILE
     )
     torch.testing.assert_close(param, expected, rtol=2e-7, atol=2e-7)
+x = torch.randn(3, 40, 70)
+norms = torch.linalg.matrix_norm(x, keepdim=True)
+expected = x / norms
+fused._divide_kernel[(triton.cdiv(40 * 70, 1024), 3)](x, norms.reshape(3), 40 * 70, BLOCK=1024)
+torch.testing.assert_close(x, expected, rtol=2e-7, atol=0)
 print("kernels ok")
 """
 
@@ -148,3 +153,23 @@ def test_kernels_in_the_triton_interpreter():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "kernels ok" in result.stdout
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["one", "batch", "tall_view"])
+def test_divide_kernel_is_bitwise_div(dtype, layout):
+    """fused.divide_ rounds exactly as Tensor.div_ (so NS's normalization is unchanged)."""
+    torch.manual_seed(0)
+    shape = {"one": (300, 1001), "batch": (3, 300, 1001), "tall_view": (3, 300, 1001)}[layout]
+    x = torch.randn(shape, device="cuda").to(dtype)
+    if layout == "tall_view":
+        x = x.mT  # contiguous storage, transposed view
+    if layout == "one":
+        norms = x.norm()
+    else:
+        norms = torch.linalg.matrix_norm(x, keepdim=True)
+    expected = x.clone().div_(norms)
+    got = fused.divide_(x, norms)
+    assert got is x
+    assert torch.equal(x, expected)
