@@ -232,8 +232,8 @@ def symmetric_matmul(
     """``beta·addend + alpha·(a @ b) + diagonal·I`` for a product known to be symmetric
     (XXᵀ, or two commuting symmetric matrices), computing only its upper block triangle.
 
-    ``kernel``: by :func:`.symmetric.symmetric_mm` (half the FLOPs, one pass) where it runs;
-    otherwise as follows.
+    ``kernel``: by :func:`.symmetric.symmetric_mm` (half the FLOPs, one pass) where it runs
+    (:func:`.symmetric.supported`); otherwise as follows.
 
     The m rows are cut into ``panels`` row panels; panel i multiplies only from its diagonal
     block rightwards (m·(m − i·h) outputs instead of m·m), and the blocks below the diagonal
@@ -241,10 +241,10 @@ def symmetric_matmul(
     price of smaller matmuls and ``panels − 1`` block copies. ``panels`` ≤ 1, or one that does
     not divide m, computes the whole product. ``addend`` must be symmetric too. 2-D or 3-D.
     """
-    if kernel:
-        out = symmetric.symmetric_mm(a, b, addend=addend, alpha=alpha, beta=beta, diagonal=diagonal)
-        if out is not None:
-            return out
+    if kernel and symmetric.supported(a, b):
+        return symmetric.symmetric_mm(
+            a, b, addend=addend, alpha=alpha, beta=beta, diagonal=diagonal
+        )
     out = _symmetric_matmul_panels(a, b, panels, addend, beta, alpha)
     if diagonal:
         out.diagonal(dim1=-2, dim2=-1).add_(diagonal)

@@ -9,9 +9,9 @@ one program per upper-triangular output tile (i ≤ j): it accumulates A[i]·B[:
 applies ``alpha``, ``beta·addend`` and ``diagonal·I``, and stores the tile at (i, j) and its
 transpose at (j, i) — half the FLOPs of the full product, no second pass over memory.
 
-:func:`symmetric_mm` returns ``None`` whenever the kernel cannot run (no Triton, not CUDA,
-not bf16/fp16, sizes not multiples of the tile, ``DMUON_FUSED=0``); the caller then takes its
-cuBLAS path. The result differs from cuBLAS's only in fp32 summation order.
+:func:`supported` says whether the kernel runs (not without Triton, not off CUDA, only
+bf16/fp16, sizes multiples of the tile, not under ``DMUON_FUSED=0``); where it does not, the
+caller takes its cuBLAS path. The result differs from cuBLAS's only in fp32 summation order.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def runs_for(rows: int, inner: int, dtype: torch.dtype, device: torch.device) ->
 
 
 def supported(a: Tensor, b: Tensor) -> bool:
-    """Whether :func:`symmetric_mm` runs its kernel for ``a @ b`` (else it returns None)."""
+    """Whether :func:`symmetric_mm` runs for ``a @ b`` in production (it is not called
+    otherwise): CUDA, half precision, tile-multiple sizes, Triton kernels enabled."""
     return (
         a.ndim == b.ndim
         and a.ndim in (2, 3)
@@ -67,30 +68,16 @@ def symmetric_mm(
     alpha: float = 1.0,
     beta: float = 1.0,
     diagonal: float = 0.0,
-) -> Tensor | None:
-    """``alpha·(a @ b) + beta·addend + diagonal·I`` for a product known to be symmetric
-    (m×k @ k×m, or a batch of them; ``addend`` symmetric m×m), or ``None`` where the kernel
-    does not run (see :func:`supported`). Any strides: ``b`` may be ``a.mT``."""
-    if not supported(a, b):
-        return None
-    return launch(a, b, addend=addend, alpha=alpha, beta=beta, diagonal=diagonal)
-
-
-def launch(
-    a: Tensor,
-    b: Tensor,
-    *,
-    addend: Tensor | None = None,
-    alpha: float = 1.0,
-    beta: float = 1.0,
-    diagonal: float = 0.0,
     tile: int = TILE,
     tile_k: int = TILE_K,
     num_warps: int = 8,
     num_stages: int = 4,
 ) -> Tensor:
-    """Run the kernel without :func:`supported`'s checks (tests run it in float32 in Triton's
-    interpreter; ``float32`` inputs use IEEE fp32 dots, not TF32)."""
+    """``alpha·(a @ b) + beta·addend + diagonal·I`` for a product known to be symmetric
+    (m×k @ k×m, or a batch of them; ``addend`` symmetric m×m, or one for the whole batch),
+    by the kernel. Any strides: ``b`` may be ``a.mT``. Callers check :func:`supported`
+    first; the tile and launch arguments are for benchmarks and tests (which run it in
+    float32 in Triton's interpreter: ``float32`` inputs use IEEE fp32 dots, not TF32)."""
     batched = a.ndim == 3
     a3 = a if batched else a.unsqueeze(0)
     b3 = b if batched else b.unsqueeze(0)
@@ -106,7 +93,6 @@ def launch(
         b3,
         out,
         add3,
-        m,
         *a3.stride(),
         *b3.stride(),
         *out.stride(),
@@ -133,7 +119,6 @@ if triton is not None:
         b_ptr,
         c_ptr,
         d_ptr,
-        m,
         a_sb,
         a_sm,
         a_sk,

@@ -103,8 +103,8 @@ def main() -> None:
 
 
 def _profile(args, coefficients, device: torch.device) -> None:
-    """Kernel time by kernel name for one batched call of ``args.profile`` on the first shape,
-    and the GPU's busy share of the call's wall time (gaps: launch overhead)."""
+    """Kernel time by kernel name (torch.profiler's table) for one batched call of
+    ``args.profile`` on the first shape."""
     shape = tuple(int(v) for v in args.shapes.split(",")[0].lower().split("x"))
     k = max(1, args.batch_numel // (shape[0] * shape[1]))
     batch = torch.randn((k, *shape), device=device)

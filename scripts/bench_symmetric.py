@@ -68,7 +68,7 @@ def main() -> None:
         for config in args.configs.split(","):
             tile, tile_k, warps, stages = (int(v) for v in config.split("/"))
             methods[f"kernel {config}"] = partial(
-                symmetric.launch,
+                symmetric.symmetric_mm,
                 left,
                 right,
                 tile=tile,
