@@ -49,6 +49,7 @@ def dedicate_params(
     *,
     replicate_async: bool = True,
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
+    ns_algorithm: str = "plain",
 ) -> dict[str, Any]:
     """Give each selected matrix one owner rank and install the hooks that serve it.
 
@@ -75,6 +76,9 @@ def dedicate_params(
             in the next forward of each layer (default), or wait right away (debugging).
         small_param_numel: matrices with at most this many elements are packed per boundary
             onto one owner.
+        ns_algorithm: the ``ns_algorithm`` you will give :class:`~dmuon_titan.Muon`; owners are
+            balanced by the FLOPs of that Newton–Schulz algorithm per shape (``"gram"``/``"auto"``
+            make wide matrices cheaper than plain NS does). Only the balance depends on it.
 
     Returns:
         :func:`summarize_plan` of the result.
@@ -103,7 +107,12 @@ def dedicate_params(
     specs = [ParamSpec(clean_fqn(fqn), tuple(p.shape), boundaries[fqn]) for fqn, p, *_ in selected]
     shard_size = mesh.size() if mesh is not None else 1
     replicate_size = replicate_mesh.size() if replicate_mesh is not None else 1
-    plan = plan_partition(specs, shard_size * replicate_size, small_param_numel=small_param_numel)
+    plan = plan_partition(
+        specs,
+        shard_size * replicate_size,
+        small_param_numel=small_param_numel,
+        ns_algorithm=ns_algorithm,
+    )
 
     device_type = (mesh or replicate_mesh).device_type
     device = (

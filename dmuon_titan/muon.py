@@ -9,6 +9,7 @@ other trainable parameters (FSDP2 DTensors, usually) and runs ``torch.optim.Adam
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,6 +117,15 @@ class Muon(torch.optim.Optimizer):
         self._dmuon: DMuonState | None = getattr(model, STATE_ATTR, None)
         if self._dmuon is not None:
             self._dmuon.adopt_registered()
+            planned = self._dmuon.plan.ns_algorithm
+            if planned != ns_algorithm:
+                warnings.warn(
+                    f"Muon(ns_algorithm={ns_algorithm!r}) on a model whose owners were balanced "
+                    f"for ns_algorithm={planned!r}: results are unaffected, but pass "
+                    f"ns_algorithm={ns_algorithm!r} to dedicate_params to balance the NS work "
+                    "of the algorithm that runs",
+                    stacklevel=2,
+                )
         muon_params, other_params = self._split_params(model)
         muon_group = {
             "params": muon_params,

@@ -97,6 +97,7 @@ def build(
             mesh,
             lambda n, p: p.ndim == 2,
             reshard_after_forward=variant.startswith("dmuon_z3"),
+            ns_algorithm="auto" if "_auto" in variant else "plain",
         )
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from dmuon_titan.ns import ns_flops
+from dmuon_titan.ns import NS_ALGORITHMS, orthogonalize_flops
 from dmuon_titan.plan import ParamSpec, plan_partition
 
 MODELS = {
@@ -44,6 +44,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8, 64, 512])
     parser.add_argument("--tflops", type=float, default=600.0, help="achieved NS matmul rate")
+    parser.add_argument(
+        "--ns-algorithm", choices=NS_ALGORITHMS, default="plain", help="whose FLOPs to balance"
+    )
     args = parser.parse_args()
     print(
         "| model | ranks | matrices | imbalance (max/mean) | idle ranks | blocks with a shared owner "
@@ -54,14 +57,14 @@ def main() -> None:
         specs = llama_specs(*dims)
         numel = sum(s.numel for s in specs)
         for n in args.ranks:
-            plan = plan_partition(specs, n)
+            plan = plan_partition(specs, n, ns_algorithm=args.ns_algorithm)
             loads = plan.load_per_rank()
             per_block: dict[str, list[int]] = {}
             for spec, owner in zip(plan.specs, plan.owners, strict=True):
                 per_block.setdefault(spec.boundary, []).append(owner)
             shared = sum(len(set(o)) < min(len(o), n) for o in per_block.values())
             rate = args.tflops * 1e12
-            total = sum(ns_flops(s.shape) for s in specs)
+            total = sum(orthogonalize_flops(s.shape, args.ns_algorithm) for s in specs)
             moved = (2 * 2 + 4) * numel * (n - 1) / n / 2**30  # bf16 bcast x2 + fp32 reduce
             print(
                 f"| {name} | {n} | {len(specs)} | {plan.imbalance():.3f} | {loads.count(0)} | "

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dmuon_titan.ns import ns_flops
+from dmuon_titan.ns import gram_ns_flops, ns_flops, orthogonalize_flops
 from dmuon_titan.plan import ParamSpec, plan_partition
 
 LLAMA3_8B = {
@@ -97,3 +97,46 @@ def test_single_rank_owns_everything():
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size"):
         plan_partition([], 0)
+
+
+def test_costs_follow_the_ns_algorithm():
+    specs = llama_specs(LLAMA3_8B, 1)
+    plain = plan_partition(specs, 2)
+    auto = plan_partition(specs, 2, ns_algorithm="auto")
+    gram = plan_partition(specs, 2, ns_algorithm="gram")
+    assert plain.costs == tuple(ns_flops(s.shape) for s in specs)
+    assert gram.costs == tuple(gram_ns_flops(s.shape) for s in specs)
+    by_name = {s.fqn.split(".", 2)[2]: c for s, c in zip(specs, auto.costs, strict=True)}
+    # "auto": Gram for the wide/tall matrices, plain for the squares (Gram costs more there).
+    assert by_name["feed_forward.w2.weight"] == gram_ns_flops((4096, 14336))
+    assert by_name["attention.wk.weight"] == gram_ns_flops((1024, 4096))
+    assert by_name["attention.wq.weight"] == ns_flops((4096, 4096))
+    assert gram_ns_flops((4096, 4096)) > ns_flops((4096, 4096))
+    assert auto.ns_algorithm == "auto" and plain.ns_algorithm == "plain"
+    assert orthogonalize_flops((14336, 4096), "auto") == gram_ns_flops((4096, 14336))
+
+
+def test_balancing_by_the_algorithm_that_runs_lowers_its_makespan():
+    # One FFN matrix and three squares on 2 ranks. By plain-NS FLOPs the FFN matrix (5.5 TFLOP)
+    # outweighs two squares (2 x 2.06), so it sits alone; under "auto" it costs 3.85 TFLOP
+    # (Gram NS) and a square should join it.
+    specs = [ParamSpec("ffn", (14336, 4096), "b0")]
+    specs += [ParamSpec(f"sq{i}", (4096, 4096), f"b{i + 1}") for i in range(3)]
+    plain = plan_partition(specs, 2)
+    auto = plan_partition(specs, 2, ns_algorithm="auto")
+
+    def makespan(owners):
+        loads = [0, 0]
+        for spec, owner in zip(specs, owners, strict=True):
+            loads[owner] += orthogonalize_flops(spec.shape, "auto")
+        return max(loads)
+
+    assert sorted(plain.owners.count(r) for r in (0, 1)) == [1, 3]
+    assert sorted(auto.owners.count(r) for r in (0, 1)) == [2, 2]
+    assert makespan(auto.owners) < makespan(plain.owners)
+    assert auto.fingerprint() != plain.fingerprint()
+
+
+def test_bad_ns_algorithm_is_named():
+    with pytest.raises(ValueError, match="ns_algorithm 'fast'"):
+        plan_partition(llama_specs(LLAMA3_1B, 1), 2, ns_algorithm="fast")

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon_titan as dmuon
+from dmuon_titan.runtime.state import STATE_ATTR
 
 from .toy_model import ToyTransformer, dedicated_predicate
 
@@ -150,6 +151,25 @@ def test_optimizer_hyperparameters(cpu_mesh, kwargs, name):
     dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
     with pytest.raises(ValueError, match=name):
         dmuon.Muon(model, **kwargs)
+
+
+def test_unknown_ns_algorithm_in_dedicate_params(cpu_mesh):
+    model = meta_model()
+    with no_collectives(), pytest.raises(ValueError, match="ns_algorithm 'fast'"):
+        dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate, ns_algorithm="fast")
+    assert not hasattr(model, STATE_ATTR)  # nothing installed: the model can be dedicated again
+
+
+def test_optimizer_warns_when_owners_were_balanced_for_another_algorithm(cpu_mesh):
+    model = ToyTransformer()
+    dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate, ns_algorithm="auto")
+    with pytest.warns(UserWarning, match=r"balanced for ns_algorithm='auto'"):
+        dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)  # default "plain"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_algorithm="auto")
 
 
 def test_adamw_lr_defaults_to_lr_with_match_rms_adamw(cpu_mesh):

@@ -145,6 +145,7 @@ def build_dmuon(cfg: RunConfig, world_size: int):
         replicate_mesh=replicate_mesh,
         replicate_async=cfg.replicate_async,
         small_param_numel=cfg.small_param_numel,
+        ns_algorithm=cfg.ns_algorithm,
     )
     if cfg.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (

@@ -1,7 +1,8 @@
 """Global LPT partition of dedicated matrices over the data-parallel ranks.
 
 Each matrix gets exactly one owner, the rank that runs its momentum + Newton–Schulz + update.
-Cost is the NS FLOPs of the shape, so the slowest rank's optimizer step is what we minimize.
+Cost is the FLOPs of the Newton–Schulz algorithm that will run on the shape (plain, or Gram
+where ``ns_algorithm`` picks it), so the slowest rank's optimizer step is what we minimize.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..ns import ns_flops
+from ..ns import NS_ALGORITHMS, orthogonalize_flops
 
 #: Matrices with at most this many elements are "small": all small matrices of one boundary
 #: go to a single owner so the boundary issues one collective for them instead of many.
@@ -41,6 +42,8 @@ class Plan:
     specs: tuple[ParamSpec, ...]
     owners: tuple[int, ...]
     costs: tuple[int, ...]
+    #: the NS algorithm the costs are FLOPs of (see ``dmuon_titan.ns.NS_ALGORITHMS``)
+    ns_algorithm: str = "plain"
 
     def load_per_rank(self) -> list[int]:
         loads = [0] * self.world_size
@@ -75,9 +78,12 @@ def plan_partition(
     world_size: int,
     *,
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
+    ns_algorithm: str = "plain",
 ) -> Plan:
     """Assign an owner to every spec: longest-processing-time-first over NS cost.
 
+    - Cost: FLOPs of Newton–Schulz by ``ns_algorithm`` (``"auto"`` resolves per shape, as the
+      optimizer will), see :func:`dmuon_titan.ns.orthogonalize_flops`.
     - Units: every matrix above ``small_param_numel`` is its own unit; the small matrices of one
       boundary form one unit (one owner, one collective).
     - Units are placed by decreasing cost (ties: first appearance) on the least-loaded rank,
@@ -88,7 +94,9 @@ def plan_partition(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    costs = [ns_flops(s.shape) for s in specs]
+    if ns_algorithm not in NS_ALGORITHMS:
+        raise ValueError(f"unknown ns_algorithm {ns_algorithm!r}; known: {list(NS_ALGORITHMS)}")
+    costs = [orthogonalize_flops(s.shape, ns_algorithm) for s in specs]
     units: list[_Unit] = []
     small_unit_of: dict[str, _Unit] = {}
     for i, spec in enumerate(specs):
@@ -125,7 +133,7 @@ def plan_partition(
     for unit, owner in zip(units, unit_owner, strict=True):
         for i in unit.members:
             owners[i] = owner
-    return Plan(world_size, tuple(specs), tuple(owners), tuple(costs))
+    return Plan(world_size, tuple(specs), tuple(owners), tuple(costs), ns_algorithm)
 
 
 def _spread_by_equal_cost_swaps(

@@ -125,6 +125,7 @@ class DMuonConverter:
             replicate_mesh=replicate_mesh,
             replicate_async=cfg.replicate_async,
             small_param_numel=cfg.small_param_numel,
+            ns_algorithm=cfg.ns_algorithm,
         )
         training = self.job_config.training
         summary = summarize_plan(
