@@ -114,6 +114,9 @@ class Muon(torch.optim.Optimizer):
         self.ns_batch_numel = ns_batch_numel
         #: Not a param-group entry either, for the same reason (and old checkpoints lack it).
         self.ns_algorithm = ns_algorithm
+        #: Matrices of at least this many elements go through NS one at a time (None: all
+        #: batched by ``ns_batch_numel``); see PLAIN_NS_UNBATCHED_NUMEL.
+        self.ns_unbatched_numel = PLAIN_NS_UNBATCHED_NUMEL if ns_algorithm == "plain" else None
         self._dmuon: DMuonState | None = getattr(model, STATE_ATTR, None)
         if self._dmuon is not None:
             self._dmuon.adopt_registered()
@@ -208,7 +211,7 @@ class Muon(torch.optim.Optimizer):
         coefficients = ns.normalize_coefficients(group["ns_coefficients"])
         stepped = self._stepped_ids()
         todo = [p for p in group["params"] if p.grad is not None and id(p) in stepped]
-        for chunk in ns_chunks(todo, self.ns_batch_numel, self.ns_algorithm, group["ns_steps"]):
+        for chunk in ns_chunks(todo, self.ns_batch_numel, self.ns_unbatched_numel):
             orthos = self._orthogonalize(chunk, group, coefficients)
             for p, ortho in zip(chunk, orthos, strict=True):
                 target, ortho = self._scatter(p, ortho)
@@ -360,15 +363,12 @@ def _validate_hyperparameters(**kw: Any) -> None:
 
 
 def ns_chunks(
-    params: Sequence[torch.Tensor],
-    max_numel: int,
-    algorithm: str = "plain",
-    ns_steps: int = 5,
+    params: Sequence[torch.Tensor], max_numel: int, unbatched_numel: int | None = None
 ) -> list[list[torch.Tensor]]:
     """Split ``params`` into batches of same (full) shape and dtype, each of at most
     ``max_numel`` elements (at least one matrix); ``max_numel == 0``: one matrix per batch,
-    and so for matrices of ``PLAIN_NS_UNBATCHED_NUMEL`` elements or more when ``algorithm``
-    is ``"plain"``. Order: shapes by first appearance, params in their order within a shape."""
+    and so for matrices of ``unbatched_numel`` elements or more. Order: shapes by first
+    appearance, params in their order within a shape."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         by_kind.setdefault((tuple(p.shape), p.dtype), []).append(p)
@@ -376,9 +376,7 @@ def ns_chunks(
     for (shape, _), same in by_kind.items():
         numel = max(1, int(torch.Size(shape).numel()))
         per_chunk = max(1, max_numel // numel) if max_numel else 1
-        # Only torch.optim.Muon's exact plain NS (cuBLAS); "auto" runs plain NS's symmetric
-        # products by the symmetric kernel, which batches well (docs/benchmarks.md).
-        if algorithm == "plain" and numel >= PLAIN_NS_UNBATCHED_NUMEL:
+        if unbatched_numel is not None and numel >= unbatched_numel:
             per_chunk = 1
         chunks.extend(same[i : i + per_chunk] for i in range(0, len(same), per_chunk))
     return chunks

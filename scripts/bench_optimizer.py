@@ -10,7 +10,8 @@ bookkeeping), and the optimizer step, timed with CUDA events (median). Variants:
 - ``dmuon_z3`` / ``dmuon_z2``: DMuon (dedicated owners, bf16 Newton–Schulz, batched per
   shape); ``dmuon_z2_unbatched``: one Newton–Schulz call per matrix; ``dmuon_z3_auto``:
   ``ns_algorithm="auto"`` (Gram NS where it needs fewer FLOPs), ``dmuon_z3_auto_fp16``: the
-  same in float16;
+  same in float16; suffixes ``_bigone`` / ``_bigbatched``: matrices of 4096² elements or more
+  one per NS call / batched like the others (whatever the algorithm's default);
 - ``naive``: every matrix on FSDP2, all-gather + Newton–Schulz on every rank;
 - ``ns_floor``: only Newton–Schulz (bf16, 5 steps) of this rank's share of the matrices under
   DMuon's partition, no communication, no momentum: the plain-NS floor;
@@ -138,6 +139,10 @@ def build(
             ns_algorithm="auto" if "_auto" in variant else "plain",
             ns_dtype=torch.float16 if variant.endswith("_fp16") else torch.bfloat16,
         )
+        if variant.endswith("_bigone"):  # matrices of 4096² elements or more one at a time
+            optimizer.ns_unbatched_numel = 4096 * 4096
+        elif variant.endswith("_bigbatched"):  # everything batched by ns_batch_numel
+            optimizer.ns_unbatched_numel = None
     return model, optimizer
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.optim import _muon
 
-import dmuon_titan
+import dmuon_titan as dmuon
 from dmuon_titan import ns
 
 SHAPES = [(32, 32), (48, 32), (32, 48), (7, 129)]
@@ -218,18 +218,28 @@ def test_orthogonalize_dispatches(algorithm):
     assert torch.equal(bf, ns.gram_newton_schulz(g, coeffs, 5, 1e-7, torch.bfloat16))
 
 
-def test_plain_ns_of_large_matrices_is_not_batched():
+def test_plain_ns_of_large_matrices_is_not_batched(cpu_mesh):
     from dmuon_titan.muon import PLAIN_NS_UNBATCHED_NUMEL, ns_chunks
 
     square = [torch.empty(4096, 4096, device="meta") for _ in range(3)]
     ffn = [torch.empty(14336, 4096, device="meta") for _ in range(3)]
+    small = [torch.empty(1024, 4096, device="meta") for _ in range(3)]
     assert 4096 * 4096 >= PLAIN_NS_UNBATCHED_NUMEL
-    assert [len(c) for c in ns_chunks(square, 2**27, "plain")] == [1, 1, 1]
-    # "auto" runs plain NS with the symmetric kernel on a GPU, which batches well.
-    assert [len(c) for c in ns_chunks(square, 2**27, "auto")] == [3]
-    assert [len(c) for c in ns_chunks(square, 2**27, "gram")] == [3]
-    assert [len(c) for c in ns_chunks(ffn, 2**27, "auto")] == [2, 1]  # Gram: batched
-    assert [len(c) for c in ns_chunks(ffn, 2**27, "plain")] == [1, 1, 1]
+    assert [len(c) for c in ns_chunks(square, 2**27, PLAIN_NS_UNBATCHED_NUMEL)] == [1, 1, 1]
+    assert [len(c) for c in ns_chunks(ffn, 2**27, PLAIN_NS_UNBATCHED_NUMEL)] == [1, 1, 1]
+    assert [len(c) for c in ns_chunks(small, 2**27, PLAIN_NS_UNBATCHED_NUMEL)] == [3]
+    assert [len(c) for c in ns_chunks(square, 2**27)] == [3]
+    assert [len(c) for c in ns_chunks(ffn, 2**27)] == [2, 1]
+    # The optimizer's rule per algorithm.
+    from .toy_model import ToyTransformer, dedicated_predicate
+
+    thresholds = {}
+    for algorithm in ns.NS_ALGORITHMS:
+        model = ToyTransformer()
+        dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate, ns_algorithm=algorithm)
+        opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_algorithm=algorithm)
+        thresholds[algorithm] = opt.ns_unbatched_numel
+    assert thresholds == {"plain": PLAIN_NS_UNBATCHED_NUMEL, "gram": None, "auto": None}
 
 
 def test_large_gram_ns_uses_symmetric_panels(monkeypatch):
@@ -271,8 +281,8 @@ def test_muon_float16_step_on_gradient_sized_directions(cpu_mesh):
     def step(ns_dtype):
         torch.manual_seed(0)
         model = ToyTransformer()
-        dmuon_titan.dedicate_params(model, cpu_mesh, dedicated_predicate)
-        opt = dmuon_titan.Muon(model, lr=0.02, adamw_lr=1e-3, weight_decay=0.0, ns_dtype=ns_dtype)
+        dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
+        opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, weight_decay=0.0, ns_dtype=ns_dtype)
         params = opt.param_groups[0]["params"]
         gen = torch.Generator().manual_seed(1)
         for p in params:
