@@ -32,7 +32,8 @@ DEFAULT_NS_BATCH_NUMEL = 2**27
 #: Plain NS (cuBLAS, ``ns_algorithm="plain"``) of a matrix this large already runs near the
 #: matmul rate alone, and batching it measured slower (4096×4096 on H200: 88 % of the matmul
 #: rate alone, 79 % as a batch of 8; docs/benchmarks.md), so such matrices are orthogonalized
-#: one at a time. With the symmetric kernel ("auto") batching is as fast or faster.
+#: one at a time. With the symmetric kernel ("gram"/"auto") both measured the same in the
+#: optimizer (round 5 in docs/benchmarks.md), and those stay batched.
 PLAIN_NS_UNBATCHED_NUMEL = 4096 * 4096
 
 
