@@ -210,10 +210,15 @@ def gram_ns_flops(
     return 2 * m * m * m * square + len(runs) * 4 * m * m * n
 
 
-def ns_algorithm_for(shape: Sequence[int], algorithm: str, ns_steps: int = 5) -> str:
-    """``"plain"`` or ``"gram"``: ``algorithm`` itself, or for ``"auto"`` the cheaper one."""
+def check_ns_algorithm(algorithm: str) -> None:
+    """Raise a ValueError naming ``algorithm`` unless it is one of :data:`NS_ALGORITHMS`."""
     if algorithm not in NS_ALGORITHMS:
         raise ValueError(f"unknown ns_algorithm {algorithm!r}; known: {list(NS_ALGORITHMS)}")
+
+
+def ns_algorithm_for(shape: Sequence[int], algorithm: str, ns_steps: int = 5) -> str:
+    """``"plain"`` or ``"gram"``: ``algorithm`` itself, or for ``"auto"`` the cheaper one."""
+    check_ns_algorithm(algorithm)
     if algorithm != "auto":
         return algorithm
     return "gram" if gram_ns_flops(shape, ns_steps) < ns_flops(shape, ns_steps) else "plain"

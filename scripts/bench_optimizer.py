@@ -92,13 +92,14 @@ def build(
 ):
     with torch.device("meta"):
         model = Stack(*shape)
+    algorithm = "auto" if "_auto" in variant else "plain"
     if variant.startswith("dmuon"):
         dmuon.dedicate_params(
             model,
             mesh,
             lambda n, p: p.ndim == 2,
             reshard_after_forward=variant.startswith("dmuon_z3"),
-            ns_algorithm="auto" if "_auto" in variant else "plain",
+            ns_algorithm=algorithm,
         )
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
@@ -136,7 +137,7 @@ def build(
             lr=1e-3,
             adamw_lr=1e-4,
             ns_batch_numel=batch,
-            ns_algorithm="auto" if "_auto" in variant else "plain",
+            ns_algorithm=algorithm,
             ns_dtype=torch.float16 if variant.endswith("_fp16") else torch.bfloat16,
         )
         if variant.endswith("_bigone"):  # matrices of 4096² elements or more one at a time

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from dmuon_titan.ns import NS_ALGORITHMS, orthogonalize_flops
+from dmuon_titan.ns import NS_ALGORITHMS
 from dmuon_titan.plan import ParamSpec, plan_partition
 
 MODELS = {
@@ -64,7 +64,7 @@ def main() -> None:
                 per_block.setdefault(spec.boundary, []).append(owner)
             shared = sum(len(set(o)) < min(len(o), n) for o in per_block.values())
             rate = args.tflops * 1e12
-            total = sum(orthogonalize_flops(s.shape, args.ns_algorithm) for s in specs)
+            total = sum(loads)
             moved = (2 * 2 + 4) * numel * (n - 1) / n / 2**30  # bf16 bcast x2 + fp32 reduce
             print(
                 f"| {name} | {n} | {len(specs)} | {plan.imbalance():.3f} | {loads.count(0)} | "

@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..ns import NS_ALGORITHMS, orthogonalize_flops
+from ..ns import check_ns_algorithm, orthogonalize_flops
 
 #: Matrices with at most this many elements are "small": all small matrices of one boundary
 #: go to a single owner so the boundary issues one collective for them instead of many.
@@ -94,8 +94,7 @@ def plan_partition(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if ns_algorithm not in NS_ALGORITHMS:
-        raise ValueError(f"unknown ns_algorithm {ns_algorithm!r}; known: {list(NS_ALGORITHMS)}")
+    check_ns_algorithm(ns_algorithm)  # also with no specs: the plan records it
     costs = [orthogonalize_flops(s.shape, ns_algorithm) for s in specs]
     units: list[_Unit] = []
     small_unit_of: dict[str, _Unit] = {}
