@@ -172,7 +172,7 @@ def run_ns_floor(shape, device, warmup, steps) -> dict:
     }
 
 
-def run_variant(variant, shape, mesh, device, tokens, warmup, steps) -> dict:
+def run_variant(variant, shape, mesh, device, tokens, warmup, steps, profile=None) -> dict:
     if variant == "ns_floor":
         return run_ns_floor(shape, device, warmup, steps)
     gc.collect()  # earlier variants' modules hold reference cycles (hooks): free them first
@@ -189,7 +189,16 @@ def run_variant(variant, shape, mesh, device, tokens, warmup, steps) -> dict:
     x = torch.randn(tokens, shape[1], device=device, generator=None)
     fwd_bwd, step, ns = [], [], []
     timer = PhaseTimer(device)
-    for i in range(warmup + steps):
+    for i in range(warmup + steps + bool(profile)):
+        profiler = None
+        if i == warmup + steps:  # one more step, untimed, into a trace
+            profiler = torch.profiler.profile(
+                activities=[
+                    torch.profiler.ProfilerActivity.CPU,
+                    torch.profiler.ProfilerActivity.CUDA,
+                ]
+            )
+            profiler.__enter__()
         timer.reset()
         timer.start("fwd_bwd")
         model(x).float().square().mean().backward()
@@ -198,7 +207,11 @@ def run_variant(variant, shape, mesh, device, tokens, warmup, steps) -> dict:
         optimizer.step()
         timer.stop("step")
         optimizer.zero_grad()
-        if i >= warmup:
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            os.makedirs(profile, exist_ok=True)
+            profiler.export_chrome_trace(f"{profile}/{variant}_rank{dist.get_rank()}.json")
+        if warmup <= i < warmup + steps:
             ms = timer.milliseconds()
             fwd_bwd.append(ms["fwd_bwd"])
             step.append(ms["step"])
@@ -250,10 +263,20 @@ def main() -> None:
         default="adamw,dmuon_z3,dmuon_z2,dmuon_z3_auto,dmuon_z3_auto_fp16,naive,ns_floor,"
         "muon_fsdp2,distmuon",
     )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="blocks in the stack (default: the model's)"
+    )
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="folder: a torch.profiler trace of one more step of each variant, after the "
+        "timed ones "
+        "(summarize with scripts/trace_summary.py)",
+    )
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -266,15 +289,17 @@ def main() -> None:
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))  # DistMuon
     shape = SHAPES[args.model]
+    if args.layers is not None:
+        shape = (args.layers, *shape[1:])
     rows = [
-        run_variant(v, shape, mesh, device, args.tokens, args.warmup, args.steps)
+        run_variant(v, shape, mesh, device, args.tokens, args.warmup, args.steps, args.profile)
         for v in args.variants.split(",")
     ]
     rows = [r for r in rows if r is not None]
     if dist.get_rank() == 0:
         base = next((r for r in rows if r["variant"] == "adamw"), rows[0])
         print(
-            f"\nllama3-{args.model} matrix stack, {world} x {torch.cuda.get_device_name() if cuda else 'CPU'}, "
+            f"\nllama3-{args.model} matrix stack ({shape[0]} blocks), {world} x {torch.cuda.get_device_name() if cuda else 'CPU'}, "
             f"{args.tokens} tokens, median of {args.steps} steps after {args.warmup} warm-up"
         )
         print(

@@ -78,6 +78,23 @@ def test_170m_flavor_registered():
     assert sum(p.numel() for p in model.parameters()) == 170_943_488
 
 
+def test_8b_8layers_flavor_is_8b_with_fewer_blocks():
+    torch = pytest.importorskip("torch")
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import dmuon_titan.titan  # noqa: F401  (registers the flavor)
+
+    spec = get_train_spec("llama3")
+    with torch.device("meta"):
+        small = spec.model_cls(spec.model_args["8B_8layers"])
+        full = spec.model_cls(spec.model_args["8B"])
+    assert len(small.layers) == 8 and len(full.layers) == 32
+    assert {n: p.shape for n, p in small.layers["7"].named_parameters()} == {
+        n: p.shape for n, p in full.layers["7"].named_parameters()
+    }
+    assert small.tok_embeddings.weight.shape == full.tok_embeddings.weight.shape == (128256, 4096)
+
+
 def test_challenger_lr_without_baseline_run_uses_the_best_baseline(tmp_path):
     good = _log(tmp_path / "adamw_lr0.001.log", {1: 9.0, 2: 8.0}, {2: 4.0})
     bad = _log(tmp_path / "adamw_lr0.004.log", {1: 9.0, 2: 8.0}, {2: 5.0})

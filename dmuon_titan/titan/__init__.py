@@ -28,10 +28,13 @@ from .parallelize import wrap_parallelize
 #: Train specs whose builders learn DMuon (models of torchtitan 0.2.2 with llama-style blocks).
 MODEL_NAMES = ("llama3",)
 
-#: Extra llama3 flavors for the loss-curve comparison (``[model] flavor = "170M"``): 12 blocks
-#: of width 1024 on an 8192-token BPE vocabulary, 171 M parameters, sized for one H200.
+#: Extra llama3 flavors. ``"170M"`` for the loss-curve comparison: 12 blocks of width 1024 on
+#: an 8192-token BPE vocabulary, 171 M parameters, sized for one H200. ``"8B_8layers"``: the
+#: first 8 of llama3-8B's 32 blocks (same shapes, vocabulary and heads), so one GPU can run and
+#: profile the 8B step's per-block work without FSDP.
 EXTRA_LLAMA3_FLAVORS = {
     "170M": dict(dim=1024, n_layers=12, n_heads=16, vocab_size=8192, rope_theta=500000),
+    "8B_8layers": dict(base="8B", n_layers=8),
 }
 
 _installed = False
@@ -76,7 +79,14 @@ def _add_llama3_flavors() -> None:
     from torchtitan.models.llama3.model.args import TransformerModelArgs
 
     for flavor, kwargs in EXTRA_LLAMA3_FLAVORS.items():
-        llama3_args.setdefault(flavor, TransformerModelArgs(**kwargs))
+        kwargs = dict(kwargs)
+        base = kwargs.pop("base", None)
+        args = (
+            dataclasses.replace(llama3_args[base], **kwargs)
+            if base
+            else TransformerModelArgs(**kwargs)
+        )
+        llama3_args.setdefault(flavor, args)
 
 
 install()
