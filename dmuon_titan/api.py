@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .plan import ParamSpec, plan_partition, select_boundaries
+from .plan.collectives import check_boundary_collectives
 from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL
 from .runtime.collectives import Collectives
 from .runtime.group import BoundaryGroup
@@ -50,6 +51,7 @@ def dedicate_params(
     replicate_async: bool = True,
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
     ns_algorithm: str = "plain",
+    collectives: str = "broadcast",
 ) -> dict[str, Any]:
     """Give each selected matrix one owner rank and install the hooks that serve it.
 
@@ -79,6 +81,12 @@ def dedicate_params(
         ns_algorithm: the ``ns_algorithm`` you will give :class:`~dmuon_titan.Muon`; owners are
             balanced by the FLOPs of that Newton–Schulz algorithm per shape (``"gram"``/``"auto"``
             make wide matrices cheaper than plain NS does). Only the balance depends on it.
+        collectives: how each boundary's weights and gradients move in the shard group:
+            ``"broadcast"`` (one broadcast from and one reduce to each owner, in turn),
+            ``"gather"`` (owners' buckets padded to the largest, one all-gather and one
+            reduce-scatter, all links busy at once) or ``"auto"`` (per boundary, the one with
+            less traffic on the busiest link); see :mod:`dmuon_titan.plan.collectives`.
+            Results are identical; only speed and padding differ.
 
     Returns:
         :func:`summarize_plan` of the result.
@@ -97,6 +105,7 @@ def dedicate_params(
         raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
     if not isinstance(replicate_async, bool):
         raise ValueError(f"replicate_async must be a bool, got {replicate_async!r}")
+    check_boundary_collectives(collectives)
     _reject_already_sharded(model)
 
     selected = _select_params(model, predicate)
@@ -147,7 +156,14 @@ def dedicate_params(
         )
     ]
     groups = [
-        BoundaryGroup(i, path, modules[path], [p for p in params if p.boundary_index == i])
+        BoundaryGroup(
+            i,
+            path,
+            modules[path],
+            [p for p in params if p.boundary_index == i],
+            shard_size=shard_size,
+            collectives=collectives,
+        )
         for i, path in enumerate(boundary_paths)
     ]
     state = DMuonState(
@@ -316,19 +332,32 @@ def summarize_plan(
     plan = state.plan
     n = state.world_size
     loads = plan.load_per_rank()
-    param_bytes = sum(p.numel * (param_dtype or p.param_dtype).itemsize for p in state.params)
+    shard, replicas = state.shard_size, state.replicate_size
+    stage1_param_bytes, stage1_reduce_bytes = 0, 0
+    for g in state.groups:
+        p0 = g.params[0]
+        p_size = (param_dtype or p0.param_dtype).itemsize
+        r_size = (reduce_dtype or param_dtype or p0.reduce_dtype).itemsize
+        numel = sum(p.numel for p in g.params)
+        if g.gathered:  # what the collectives carry, padding included (flags excluded)
+            stage1_param_bytes += shard * g.slot_numel * p_size
+            stage1_reduce_bytes += (shard * g.reduce_slot_numel - len(g.params)) * r_size
+        else:
+            stage1_param_bytes += numel * p_size
+            stage1_reduce_bytes += numel * r_size
     reduce_bytes = sum(
         p.numel * (reduce_dtype or param_dtype or p.reduce_dtype).itemsize for p in state.params
     )
-    shard, replicas = state.shard_size, state.replicate_size
     master_bytes = sum(p.numel * p.orig_dtype.itemsize for p in state.params)
     # Per rank, averaged over the data-parallel world (see CommStats for the convention).
     in_shard = (shard - 1) / shard
     across = (replicas - 1) / (replicas * shard)
     per_step = {
-        "forward_broadcast": param_bytes * in_shard,
-        "backward_rebroadcast": param_bytes * in_shard if state.reshard_after_forward else 0.0,
-        "reduce": reduce_bytes * in_shard,
+        "forward_broadcast": stage1_param_bytes * in_shard,
+        "backward_rebroadcast": stage1_param_bytes * in_shard
+        if state.reshard_after_forward
+        else 0.0,
+        "reduce": stage1_reduce_bytes * in_shard,
         "reduce_replicate": reduce_bytes * across,
         "replicate_broadcast": master_bytes * across,
     }
@@ -355,6 +384,7 @@ def summarize_plan(
                 "path": g.path or "<root>",
                 "params": len(g.params),
                 "owners": sorted({p.owner for p in g.params}),
+                "collectives": g.layout,
             }
             for g in state.groups
         ],

@@ -11,7 +11,9 @@ bookkeeping), and the optimizer step, timed with CUDA events (median). Variants:
   shape); ``dmuon_z2_unbatched``: one Newton–Schulz call per matrix; ``dmuon_z3_auto``:
   ``ns_algorithm="auto"`` (Gram NS where it needs fewer FLOPs), ``dmuon_z3_auto_fp16``: the
   same in float16; suffixes ``_bigone`` / ``_bigbatched``: matrices of 4096² elements or more
-  one per NS call / batched like the others (whatever the algorithm's default);
+  one per NS call / batched like the others (whatever the algorithm's default); ``_gather``:
+  each block's weights by one all-gather and its gradients by one reduce-scatter
+  (``collectives="gather"``) instead of a broadcast from and a reduce to each owner;
 - ``naive``: every matrix on FSDP2, all-gather + Newton–Schulz on every rank;
 - ``ns_floor``: only Newton–Schulz (bf16, 5 steps) of this rank's share of the matrices under
   DMuon's partition, no communication, no momentum: the plain-NS floor;
@@ -100,6 +102,7 @@ def build(
             lambda n, p: p.ndim == 2,
             reshard_after_forward=variant.startswith("dmuon_z3"),
             ns_algorithm=algorithm,
+            collectives="gather" if "_gather" in variant else "broadcast",
         )
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)

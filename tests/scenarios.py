@@ -50,6 +50,7 @@ def accounting_and_storage(rank: int, world_size: int, configs: list[RunConfig])
                 "ops": dict(stats.ops),
                 "P_M": _dedicated_payload_bytes(state),
                 "buckets": sum(len(g.buckets) for g in state.groups),
+                "summary": dmuon.summarize_plan(model),
             }
         )
         dist.barrier()

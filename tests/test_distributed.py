@@ -52,6 +52,61 @@ def test_bytes_per_step_and_owner_only_storage(world_size):
             assert moved["reduce_flags"] == pytest.approx(21 * 8 * (n - 1) / n), name
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gather_layout_bytes_per_step(world_size):
+    """collectives="gather": per boundary one all-gather of one slot per rank (the largest
+    owner bucket, padding included) per unshard and one reduce-scatter; the bytes counted
+    from the collectives issued equal that, and what summarize_plan predicts."""
+    configs = [
+        ("z3", with_(EXACT, collectives="gather"), 2),
+        ("z2", with_(EXACT, collectives="gather", reshard_after_forward=False), 1),
+    ]
+    results = run_ranks(accounting_and_storage, world_size, [c for _, c, _ in configs])
+    n = world_size
+    for rank_results in results:
+        for (name, _, unshards), r in zip(configs, rank_results, strict=True):
+            summary = r["summary"]
+            # bucket sizes by owner column, from the plan
+            numel: dict[tuple[str, int], int] = {}
+            count: dict[tuple[str, int], int] = {}
+            for p in summary["params"]:
+                key = (p["boundary"], p["owner"])
+                numel[key] = numel.get(key, 0) + p["shape"][0] * p["shape"][1]
+                count[key] = count.get(key, 0) + 1
+            boundaries = [b["path"] for b in summary["boundaries"]]
+            assert {b["collectives"] for b in summary["boundaries"]} == {"gather"}
+            slot = {b: max(v for (k, _), v in numel.items() if k == b) for b in boundaries}
+            reduce_slot = {
+                b: max(v + count[key] for key, v in numel.items() if key[0] == b)
+                for b in boundaries
+            }
+            per_unshard = sum((n - 1) * slot[b] * 8 for b in boundaries)
+            reduce = sum(
+                (n - 1)
+                / n
+                * (n * reduce_slot[b] - sum(c for (k, _), c in count.items() if k == b))
+                * 8
+                for b in boundaries
+            )
+            moved = r["moved"]
+            assert moved["forward"] == pytest.approx(per_unshard, rel=1e-12), name
+            assert moved.get("backward_unshard", 0.0) == pytest.approx(
+                (unshards - 1) * per_unshard, rel=1e-12
+            ), name
+            assert moved["reduce"] == pytest.approx(reduce, rel=1e-12), name
+            assert moved["reduce_flags"] == pytest.approx(21 * 8 * (n - 1) / n), name
+            # one collective per boundary and phase, whatever the number of owners
+            assert r["ops"]["forward"] == r["ops"]["reduce"] == len(boundaries), name
+            predicted = summary["bytes_per_rank_per_step"]
+            assert predicted["forward_broadcast"] == pytest.approx(moved["forward"], rel=1e-12)
+            assert predicted["backward_rebroadcast"] == pytest.approx(
+                moved.get("backward_unshard", 0.0), rel=1e-12
+            )
+            assert predicted["reduce"] == pytest.approx(moved["reduce"], rel=1e-12)
+            # padding is real: the gather layout moves more bytes than the broadcasts would
+            assert per_unshard > (n - 1) / n * r["P_M"], name
+
+
 def test_clip_norm_is_the_global_norm():
     cfg = EXACT
     model = ToyTransformer()

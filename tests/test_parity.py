@@ -42,6 +42,22 @@ CASES = [
         1e-10,
     ),
     ("z3+packed", with_(EXACT, small_param_numel=1 << 16), "float64", 1e-10),
+    # Stage 1 by one all-gather / reduce-scatter per boundary instead of per-owner broadcasts
+    # and reduces; "auto" picks it per boundary (here: on 2 and 3 ranks, not on 4).
+    ("z3+gather", with_(EXACT, collectives="gather"), "float64", 1e-10),
+    (
+        "z2+ac+no_sync+gather",
+        with_(
+            EXACT,
+            reshard_after_forward=False,
+            activation_checkpointing=True,
+            micro_batches=2,
+            collectives="gather",
+        ),
+        "float64",
+        1e-10,
+    ),
+    ("z3+auto_collectives", with_(EXACT, collectives="auto"), "float64", 1e-10),
     ("z3+clip", with_(EXACT, max_norm=0.5), "float64", 1e-10),
     (
         "z3+ac+compile",

@@ -140,3 +140,45 @@ def test_balancing_by_the_algorithm_that_runs_lowers_its_makespan():
 def test_bad_ns_algorithm_is_named():
     with pytest.raises(ValueError, match="ns_algorithm 'fast'"):
         plan_partition(llama_specs(LLAMA3_1B, 1), 2, ns_algorithm="fast")
+
+
+# ---------------------------------------------------------------------- boundary collectives
+def test_link_costs_of_the_two_layouts():
+    from dmuon_titan.plan.collectives import link_cost
+
+    # llama3-8B block on 2 ranks: the plan puts two FFN matrices, one 4096² and one 1024×4096
+    # on one rank, the rest on the other; the busiest link carries every element in turn with
+    # broadcasts, the larger bucket only with one all-gather.
+    buckets = [138_412_032, 79_691_776]
+    assert link_cost(buckets, 2, "broadcast") == 218_103_808
+    assert link_cost(buckets, 2, "gather") == 138_412_032
+    assert link_cost(buckets, 4, "gather") == 3 * 138_412_032
+    assert link_cost(buckets, 1, "gather") == link_cost([], 4, "broadcast") == 0
+
+
+@pytest.mark.parametrize(
+    "buckets, group_size, expected",
+    [
+        ([138_412_032, 79_691_776], 2, "gather"),  # 138 M < 218 M on the busiest link
+        ([100], 2, "broadcast"),  # one owner: equal traffic, padding would double the buffer
+        ([100, 100, 100], 3, "gather"),  # 2 x 100 < 300
+        ([100, 60, 60], 3, "gather"),  # 200 < 220
+        ([100, 40, 40], 3, "broadcast"),  # 200 > 180
+        ([100, 100, 100, 100], 4, "gather"),  # 300 < 400
+        ([100, 30, 30, 30], 4, "broadcast"),  # 300 > 190
+        ([50, 50], 1, "broadcast"),  # nothing moves on one rank
+    ],
+)
+def test_auto_takes_the_layout_with_less_link_traffic(buckets, group_size, expected):
+    from dmuon_titan.plan.collectives import choose_boundary_collectives
+
+    assert choose_boundary_collectives(buckets, group_size, "auto") == expected
+    for mode in ("broadcast", "gather"):
+        assert choose_boundary_collectives(buckets, group_size, mode) == mode
+
+
+def test_unknown_boundary_collectives():
+    from dmuon_titan.plan.collectives import choose_boundary_collectives
+
+    with pytest.raises(ValueError, match="collectives must be one of .* got 'ring'"):
+        choose_boundary_collectives([1], 2, "ring")

@@ -110,13 +110,19 @@ def run_ok(nproc: int, *args: str, **kw) -> str:
 def test_toy_dmuon_trains_checkpoints_and_resumes(tokenizer_dir, tmp_path):
     """20 steps with falling loss; stop at 10 and resume → steps 11–20 bit-identical to the
     uninterrupted run; the step-10 checkpoint loads on 1 and 3 ranks with identical weights
-    and momentum, and training continues on 1 rank."""
-    common = checkpointed_args(total_steps=20, interval=10, validation_freq=10)
+    and momentum, and training continues on 1 rank. (Blocks by all-gather/reduce-scatter
+    where "auto" picks it, so the checkpoint moves between layouts too.)"""
+    common = [
+        *checkpointed_args(total_steps=20, interval=10, validation_freq=10),
+        "--dmuon.collectives",
+        "auto",
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
     out = run_ok(2, *toy_args(tokenizer_dir, a, *common, "--training.steps", "20"))
     assert (
         "DMuon: 42 matrices on 2 ranks (1 replica x 2 shards), 6 hook boundaries" in out
     )  # the partition, at start-up
+    assert "by all-gather" in out  # "auto" moved some blocks by all-gather on 2 ranks
     assert "dmuon step: 20  optimizer:" in out  # the per-step line
     for tag in ("dmuon/optimizer_ms", "dmuon/ns_ms"):
         times = tb_scalars(a, tag)
@@ -255,6 +261,7 @@ BAD_VALUES = [
     (["--dmuon.small_param_numel", "-1"], "[dmuon] small_param_numel"),
     (["--dmuon.ns_batch_numel", "-5"], "[dmuon] ns_batch_numel"),
     (["--dmuon.ns_algorithm", "fast"], "[dmuon] ns_algorithm"),
+    (["--dmuon.collectives", "ring"], "[dmuon] collectives"),
 ]
 
 

@@ -20,6 +20,7 @@ COLLECTIVES = [
     "broadcast",
     "all_reduce",
     "reduce",
+    "reduce_scatter_tensor",
     "barrier",
 ]
 
@@ -158,6 +159,13 @@ def test_unknown_ns_algorithm_in_dedicate_params(cpu_mesh):
     with no_collectives(), pytest.raises(ValueError, match="ns_algorithm 'fast'"):
         dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate, ns_algorithm="fast")
     assert not hasattr(model, STATE_ATTR)  # nothing installed: the model can be dedicated again
+
+
+def test_unknown_collectives_in_dedicate_params(cpu_mesh):
+    model = meta_model()
+    with no_collectives(), pytest.raises(ValueError, match="collectives must be one of"):
+        dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate, collectives="ring")
+    assert not hasattr(model, STATE_ATTR)
 
 
 def test_optimizer_warns_when_owners_were_balanced_for_another_algorithm(cpu_mesh):

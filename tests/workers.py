@@ -48,6 +48,7 @@ class RunConfig:
     compile_backend: str | None = None  # torch.compile each block (fullgraph) with this backend
     replicate: int = 1  # HSDP replicas: ranks form a (replicate, shard) grid
     replicate_async: bool = True
+    collectives: str = "broadcast"  # dedicate_params(collectives=...): stage-1 layout
 
 
 def batch(cfg: RunConfig, step: int) -> torch.Tensor:
@@ -146,6 +147,7 @@ def build_dmuon(cfg: RunConfig, world_size: int):
         replicate_async=cfg.replicate_async,
         small_param_numel=cfg.small_param_numel,
         ns_algorithm=cfg.ns_algorithm,
+        collectives=cfg.collectives,
     )
     if cfg.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (

@@ -27,10 +27,10 @@ class Pending:
 
     __slots__ = ("_event", "_work", "_tensor")
 
-    def __init__(self, event=None, work=None, tensor: Tensor | None = None) -> None:
+    def __init__(self, event=None, work=None, tensor: Tensor | tuple | None = None) -> None:
         self._event = event
         self._work = work
-        # Keeps the buffer alive while gloo's worker thread may still touch it.
+        # Keeps the buffer(s) alive while gloo's worker thread may still touch them.
         self._tensor = tensor
 
     def wait(self) -> None:
@@ -151,6 +151,49 @@ class Collectives:
             )
         work = dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=pg, async_op=True)
         return Pending(work=work, tensor=tensor)
+
+    def all_gather_slots(self, buffer: Tensor, phase: str, group: str = "shard") -> Pending:
+        """All-gather in place: ``buffer`` is one equal slot per rank of ``group``, in rank
+        order; this rank's slot goes to every rank's copy."""
+        pg, n = self.groups[group], self.sizes[group]
+        self.stats.record(phase, buffer.numel() * buffer.element_size(), n)
+        if n == 1:
+            return Pending()
+        slot = buffer.view(n, -1)[self.ranks[group]]
+        if self._use_streams:
+            return self._on_stream(
+                "unshard", buffer, lambda: dist.all_gather_into_tensor(buffer, slot, group=pg)
+            )
+        work = dist.all_gather_into_tensor(buffer, slot, group=pg, async_op=True)
+        return Pending(work=work, tensor=buffer)
+
+    def reduce_scatter_slots(
+        self, buffer: Tensor, out: Tensor, phase: str, trailer_numel: int = 0, group: str = "shard"
+    ) -> Pending:
+        """Sum ``buffer`` (one equal slot per rank of ``group``, in rank order) over ``group``;
+        this rank's slot of the sum lands in ``out``. ``trailer_numel``: bookkeeping elements
+        inside ``buffer`` (presence flags), counted under ``phase + "_flags"`` as in
+        :meth:`reduce_sum`."""
+        pg, n = self.groups[group], self.sizes[group]
+        size = buffer.element_size()
+        self.stats.record(phase, (buffer.numel() - trailer_numel) * size, n)
+        if trailer_numel:
+            self.stats.record(phase + "_flags", trailer_numel * size, n, ops=0)
+        if n == 1:
+            out.copy_(buffer)
+            return Pending()
+        if self._use_streams:
+            pending = self._on_stream(
+                "reduce",
+                buffer,
+                lambda: dist.reduce_scatter_tensor(out, buffer, op=dist.ReduceOp.SUM, group=pg),
+            )
+            out.record_stream(self.streams["reduce"])
+            return pending
+        work = dist.reduce_scatter_tensor(
+            out, buffer, op=dist.ReduceOp.SUM, group=pg, async_op=True
+        )
+        return Pending(work=work, tensor=(buffer, out))
 
     def all_reduce(self, tensor: Tensor, op=dist.ReduceOp.SUM) -> None:
         """Blocking all-reduce over the whole data-parallel world (shard, then replicate)."""

@@ -1,12 +1,21 @@
 """One hook boundary: its dedicated parameters grouped by owner, with coalesced collectives.
 
 The parameters of a boundary whose owners sit in the same shard column form an
-:class:`OwnerBucket`: one flat buffer, one broadcast in the shard group (forward, and again
-before backward under Z3), one reduce to the column (backward, stage 1). Inside a bucket the
-parameters are ordered by owner replica into *segments*; with replicas (HSDP/DDP) each segment
-is reduced once more across the replicate group to its global owner (stage 2), and after the
-optimizer step the owner broadcasts the segment's updated weights back to the replicas. The
-order of everything is the plan's, identical on every rank, so every rank issues the same
+:class:`OwnerBucket`. Inside a bucket the parameters are ordered by owner replica into
+*segments*; with replicas (HSDP/DDP) each segment is reduced once more across the replicate
+group to its global owner (stage 2), and after the optimizer step the owner broadcasts the
+segment's updated weights back to the replicas.
+
+Stage 1 (the shard group) has two layouts, chosen per boundary by
+:func:`dmuon_titan.plan.choose_boundary_collectives`:
+
+- ``"broadcast"``: each bucket has its own flat buffer, broadcast from its column (forward,
+  and again before backward under Z3) and reduced to it (backward), bucket after bucket;
+- ``"gather"``: one buffer of one equal slot per shard rank, each bucket at its column's slot
+  (padded to the largest bucket); one all-gather fills it, one reduce-scatter returns each
+  column its bucket's gradient sum, every rank sending at once.
+
+The order of everything is the plan's, identical on every rank, so every rank issues the same
 collectives in the same order.
 """
 
@@ -17,6 +26,7 @@ import enum
 import torch
 from torch import nn
 
+from ..plan.collectives import choose_boundary_collectives
 from .collectives import Collectives, Pending
 from .owned_param import DedicatedParam
 
@@ -43,9 +53,13 @@ class OwnerBucket:
             size = sum(p.numel for p in members) + len(members)
             self.segments.append((replica, members, offset, size))
             offset += size
-        self.buffer: torch.Tensor | None = None  # flat, param dtype; storage freed when FREED
+        #: elements of the bucket's gradient buffer: the gradients plus one flag per parameter
+        self.reduce_numel = offset
+        #: flat, param dtype: a view into the boundary's weight buffer (``attach``)
+        self.buffer: torch.Tensor | None = None
 
-    def lazy_init(self, device: torch.device) -> None:
+    def resolve_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """(param dtype, reduce dtype), the same for every parameter of the bucket."""
         dtypes = {(p.param_dtype, p.reduce_dtype) for p in self.params}
         if len(dtypes) != 1:
             names = [p.fqn for p in self.params]
@@ -53,22 +67,17 @@ class OwnerBucket:
                 f"dedicated parameters {names} share a hook boundary and owner but have "
                 f"different mixed-precision dtypes {sorted(map(str, dtypes))}"
             )
-        self.param_dtype, self.reduce_dtype = dtypes.pop()
-        self.buffer = torch.empty(self.numel, dtype=self.param_dtype, device=device)
+        self.param_dtype, self.reduce_dtype = next(iter(dtypes))
+        return self.param_dtype, self.reduce_dtype
+
+    def attach(self, buffer: torch.Tensor) -> None:
+        """Make ``buffer`` (``numel`` elements, param dtype) the storage of the full-size
+        parameters."""
+        self.buffer = buffer
         offset = 0
         for p in self.params:
-            p.make_unsharded(self.buffer[offset : offset + p.numel])
+            p.make_unsharded(buffer[offset : offset + p.numel])
             offset += p.numel
-        self.free()
-
-    def allocate(self) -> None:
-        storage = self.buffer.untyped_storage()
-        nbytes = self.numel * self.buffer.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
-
-    def free(self) -> None:
-        self.buffer.untyped_storage().resize_(0)
 
     @torch.no_grad()
     def fill_from_owned(self) -> None:
@@ -79,15 +88,17 @@ class OwnerBucket:
             offset += p.numel
 
     @torch.no_grad()
-    def pack_grads(self) -> torch.Tensor:
+    def pack_grads(self, flat: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's gradients (zeros where none) plus one presence flag per parameter,
-        segment by segment.
+        segment by segment, into ``flat`` (``reduce_numel`` elements; new if ``None``).
 
         The flags are summed by the reduces, so the owner learns whether *any* rank produced a
         gradient, and keeps ``grad=None`` (skipped, as torch.optim does) when none did.
         """
-        total = sum(size for *_, size in self.segments)
-        flat = torch.empty(total, dtype=self.reduce_dtype, device=self.buffer.device)
+        if flat is None:
+            flat = torch.empty(
+                self.reduce_numel, dtype=self.reduce_dtype, device=self.buffer.device
+            )
         for _, members, start, size in self.segments:
             flags = flat[start + size - len(members) : start + size]
             flags.zero_()
@@ -144,7 +155,15 @@ class PendingReduce:
 class BoundaryGroup:
     """The dedicated parameters whose hooks live on one boundary module."""
 
-    def __init__(self, index: int, path: str, module: nn.Module, params: list[DedicatedParam]):
+    def __init__(
+        self,
+        index: int,
+        path: str,
+        module: nn.Module,
+        params: list[DedicatedParam],
+        shard_size: int = 1,
+        collectives: str = "broadcast",
+    ):
         self.index = index
         self.path = path
         self.module = module
@@ -153,9 +172,19 @@ class BoundaryGroup:
         for p in params:
             by_column.setdefault(p.owner_shard, []).append(p)
         self.buckets = [OwnerBucket(s, by_column[s]) for s in sorted(by_column)]
+        self.shard_size = shard_size
+        #: stage-1 layout, ``"broadcast"`` or ``"gather"`` (module doc); the same on every rank
+        self.layout = choose_boundary_collectives(
+            [b.numel for b in self.buckets], shard_size, collectives
+        )
+        #: "gather": elements per shard rank's slot, weights and gradients (incl. flags)
+        self.slot_numel = max(b.numel for b in self.buckets)
+        self.reduce_slot_numel = max(b.reduce_numel for b in self.buckets)
+        self._buffers: list[torch.Tensor] = []  # what holds the weight storage
         self.num_trainable = sum(1 for p in params if p.owned.requires_grad)
         self.unshard_state = UnshardState.FREED
         self._pending: list[Pending] = []
+        self._version_guard = None  # the buffers' version counters, restored after a refill
         self._replicate_pending: list[Pending] = []
         self.hook_handles: list = []  # forward hooks, on ``module`` or a wrapper of it
         # Per-step bookkeeping, reset at the end of every backward.
@@ -163,24 +192,65 @@ class BoundaryGroup:
         self.grads_ready: set[int] = set()
         self.backward_done = False
 
+    @property
+    def gathered(self) -> bool:
+        return self.layout == "gather"
+
     def lazy_init(self, device: torch.device) -> None:
-        for bucket in self.buckets:
-            bucket.lazy_init(device)
+        dtypes = {bucket.resolve_dtypes() for bucket in self.buckets}
+        if self.gathered:
+            if len(dtypes) != 1:
+                raise ValueError(
+                    f"boundary {self.path or '<root>'!r} moves its weights in one buffer "
+                    "(collectives 'gather') but its parameters have different mixed-precision "
+                    f"dtypes {sorted(map(str, dtypes))}; use collectives='broadcast'"
+                )
+            self.param_dtype, self.reduce_dtype = dtypes.pop()
+            buffer = torch.empty(
+                self.shard_size * self.slot_numel, dtype=self.param_dtype, device=device
+            )
+            for bucket in self.buckets:
+                start = bucket.owner_shard * self.slot_numel
+                bucket.attach(buffer[start : start + bucket.numel])
+            self._buffers = [buffer]
+        else:
+            self._buffers = []
+            for bucket in self.buckets:
+                buffer = torch.empty(bucket.numel, dtype=bucket.param_dtype, device=device)
+                bucket.attach(buffer)
+                self._buffers.append(buffer)
+        self._free()
+
+    def _allocate(self) -> None:
+        for buffer in self._buffers:
+            storage = buffer.untyped_storage()
+            nbytes = buffer.numel() * buffer.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
+
+    def _free(self) -> None:
+        for buffer in self._buffers:
+            buffer.untyped_storage().resize_(0)
 
     # ---------------------------------------------------------------- weights in
     def unshard(self, comm: Collectives, phase: str) -> None:
-        """Issue the broadcasts that make every full-size parameter current (async)."""
+        """Issue the collectives that make every full-size parameter current (async)."""
         if self.unshard_state is not UnshardState.FREED:
             return
         self.wait_replicate()  # the masters must hold the last step's update first
+        self._allocate()
+        # The unsharded params alias the buffers and may be saved for backward: refilling them
+        # must not bump their version counter (autograd would reject it). The counters are
+        # put back once the collectives are waited for: gloo's all-gather copies into its
+        # output (a bump) on its own thread, after the call returns.
+        self._version_guard = torch.autograd._unsafe_preserve_version_counter(tuple(self._buffers))
         for bucket in self.buckets:
-            bucket.allocate()
-            # The unsharded params alias ``bucket.buffer`` and may be saved for backward: a
-            # write here must not bump their version counter (autograd would reject it).
-            with torch.autograd._unsafe_preserve_version_counter(bucket.buffer):
-                if bucket.holds_weight:
-                    bucket.fill_from_owned()
+            if bucket.holds_weight:
+                bucket.fill_from_owned()
+            if not self.gathered:
                 self._pending.append(comm.broadcast(bucket.buffer, bucket.owner_shard, phase))
+        if self.gathered:
+            self._pending.append(comm.all_gather_slots(self._buffers[0], phase))
         self.unshard_state = UnshardState.PENDING
 
     def wait_unshard(self) -> None:
@@ -188,6 +258,8 @@ class BoundaryGroup:
             for pending in self._pending:
                 pending.wait()
             self._pending.clear()
+            self._version_guard.__exit__(None, None, None)
+            self._version_guard = None
             self.unshard_state = UnshardState.READY
 
     def reshard(self) -> None:
@@ -195,8 +267,7 @@ class BoundaryGroup:
         if self.unshard_state is UnshardState.FREED:
             return
         self.wait_unshard()
-        for bucket in self.buckets:
-            bucket.free()
+        self._free()
         self.unshard_state = UnshardState.FREED
 
     def install(self) -> None:
@@ -211,34 +282,68 @@ class BoundaryGroup:
     def reduce_grads(self, comm: Collectives) -> list[PendingReduce]:
         """Stage 1 (shard group, to the column) and, with replicas, stage 2 (replicate group,
         to the global owner) for every bucket; returns what owners unpack later."""
+        if self.gathered:
+            return self._reduce_grads_gathered(comm)
         issued = []
-        replicas = comm.replicate_size > 1
         for bucket in self.buckets:
             flat = bucket.pack_grads()
             stage1 = comm.reduce_sum(
                 flat, bucket.owner_shard, "reduce", len(bucket.params), group="shard"
             )
-            handles = [stage1]
-            if replicas and bucket.holds_weight:
-                if comm.device.type != "cuda":
-                    stage1.wait()  # gloo: stage 2 reads stage 1's result (CUDA: same stream)
-                for replica, members, start, size in bucket.segments:
-                    handles.append(
-                        comm.reduce_sum(
-                            flat[start : start + size],
-                            replica,
-                            "reduce_replicate",
-                            len(members),
-                            group="replicate",
-                        )
-                    )
-            owned = bucket.owned_segment()
-            if owned is not None:
-                members, (start, size) = owned
-                issued.append(PendingReduce(bucket, members, flat[start : start + size], handles))
-            else:
-                issued.append(PendingReduce(bucket, None, None, handles))
+            issued.append(self._stage2(comm, bucket, flat, stage1))
         return issued
+
+    def _reduce_grads_gathered(self, comm: Collectives) -> list[PendingReduce]:
+        """One reduce-scatter: every bucket packed at its column's slot (padding zeroed);
+        this rank receives its column's bucket summed, in a tensor of its own (so the other
+        slots are freed once the collective is done)."""
+        slot = self.reduce_slot_numel
+        flat = torch.empty(
+            self.shard_size * slot, dtype=self.reduce_dtype, device=self.buckets[0].buffer.device
+        )
+        by_column = {bucket.owner_shard: bucket for bucket in self.buckets}
+        for column in range(self.shard_size):
+            region = flat[column * slot : (column + 1) * slot]
+            bucket = by_column.get(column)
+            used = 0 if bucket is None else bucket.reduce_numel
+            if bucket is not None:
+                bucket.pack_grads(region[:used])
+            if used < slot:
+                region[used:].zero_()
+        mine = by_column.get(comm.ranks["shard"])
+        out = torch.empty(slot, dtype=self.reduce_dtype, device=flat.device)
+        stage1 = comm.reduce_scatter_slots(
+            flat, out, "reduce", sum(len(b.params) for b in self.buckets)
+        )
+        if mine is None:
+            return [PendingReduce(None, None, None, [stage1])]
+        return [self._stage2(comm, mine, out[: mine.reduce_numel], stage1)]
+
+    @staticmethod
+    def _stage2(
+        comm: Collectives, bucket: OwnerBucket, flat: torch.Tensor, stage1
+    ) -> PendingReduce:
+        """After stage 1 left ``bucket``'s column sum in ``flat`` (on the column's ranks):
+        with replicas, each segment to its global owner; what the owner unpacks later."""
+        handles = [stage1]
+        if comm.replicate_size > 1 and bucket.holds_weight:
+            if comm.device.type != "cuda":
+                stage1.wait()  # gloo: stage 2 reads stage 1's result (CUDA: same stream)
+            for replica, members, start, size in bucket.segments:
+                handles.append(
+                    comm.reduce_sum(
+                        flat[start : start + size],
+                        replica,
+                        "reduce_replicate",
+                        len(members),
+                        group="replicate",
+                    )
+                )
+        owned = bucket.owned_segment()
+        if owned is None:
+            return PendingReduce(bucket, None, None, handles)
+        members, (start, size) = owned
+        return PendingReduce(bucket, members, flat[start : start + size], handles)
 
     # ---------------------------------------------------------------- updates back to replicas
     def broadcast_updates(self, comm: Collectives) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from ..muon import DEFAULT_NS_BATCH_NUMEL
 from ..ns import ADJUST_LR_FNS, NS_ALGORITHMS, NS_COEFFICIENT_SETS
+from ..plan.collectives import BOUNDARY_COLLECTIVES
 
 
 class ConfigError(SystemExit):
@@ -57,6 +58,14 @@ class DMuon:
     reshard_after_forward: bool = True
     """True (Z3): free non-owned matrices after forward and re-broadcast them before backward.
     False (Z2): keep them from forward until the block's backward (less traffic, more memory)."""
+
+    collectives: str = "broadcast"
+    """How a block's dedicated weights and gradients move between the shard ranks (results are
+    identical either way). "broadcast": one broadcast from and one reduce to each owner, in
+    turn. "gather": the owners' buckets padded to the largest, one all-gather and one
+    reduce-scatter per block, every link busy at once. "auto": per block, the one with less
+    traffic on the busiest link (gather on 2-3 ranks for llama3 blocks; see
+    dmuon_titan/plan/collectives.py)."""
 
     replicate_async: bool = True
     """With replicas (HSDP, DDP): send each owner's updated matrices to the other replicas
@@ -151,6 +160,7 @@ def validate(cfg: DMuon) -> None:
     choice("ns_coefficients", NS_COEFFICIENT_SETS)
     choice("ns_dtype", NS_DTYPES)
     choice("ns_algorithm", NS_ALGORITHMS)
+    choice("collectives", BOUNDARY_COLLECTIVES)
     choice("adjust_lr_fn", [f for f in ADJUST_LR_FNS if f is not None])
     boolean("reshard_after_forward")
     boolean("replicate_async")

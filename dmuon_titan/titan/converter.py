@@ -126,6 +126,7 @@ class DMuonConverter:
             replicate_async=cfg.replicate_async,
             small_param_numel=cfg.small_param_numel,
             ns_algorithm=cfg.ns_algorithm,
+            collectives=cfg.collectives,
         )
         training = self.job_config.training
         summary = summarize_plan(
@@ -142,9 +143,18 @@ class DMuonConverter:
             f"{len(summary['boundaries'])} hook boundaries, NS GFLOP per rank "
             f"{[round(x / 1e9, 1) for x in loads]} (imbalance {summary['imbalance']:.3f}), "
             f"{summary['bytes_per_rank_per_step']['total'] / 2**20:.1f} MiB per rank per step "
-            f"({'Z3' if cfg.reshard_after_forward else 'Z2'}); NS {cfg.ns_algorithm} in "
+            f"({'Z3' if cfg.reshard_after_forward else 'Z2'}, "
+            f"{_layouts(summary['boundaries'])}); NS {cfg.ns_algorithm} in "
             f"{cfg.ns_dtype}"
         )
 
     def post_optimizer_hook(self, model) -> None:
         pass
+
+
+def _layouts(boundaries: list[dict]) -> str:
+    """e.g. "32 boundaries by all-gather": how the boundaries' weights move."""
+    counts: dict[str, int] = {}
+    for b in boundaries:
+        counts[b["collectives"]] = counts.get(b["collectives"], 0) + 1
+    return ", ".join(f"{n} by {'all-gather' if k == 'gather' else k}" for k, n in counts.items())
