@@ -31,6 +31,9 @@ GPU_CASES = [
         "ns_float32",
         "fp32",
         "bf16_default",
+        "z3+gather",
+        "z2+ac+no_sync+gather",
+        "z3+auto_collectives",
     )
 ]
 
@@ -78,8 +81,11 @@ def test_mixed_precision_nccl():
         assert r["grad_rel_error"] < 1e-6
 
 
-def test_host_syncs_nccl():
-    cfg = RunConfig(device="cuda", mixed_precision=True, ns_dtype=torch.bfloat16)
+@pytest.mark.parametrize("collectives", ["broadcast", "gather"])
+def test_host_syncs_nccl(collectives):
+    cfg = RunConfig(
+        device="cuda", mixed_precision=True, ns_dtype=torch.bfloat16, collectives=collectives
+    )
     for counts in run_ranks(count_host_syncs, 2, cfg, backend="nccl"):
         print(counts)
         assert counts["forward"] == 0
