@@ -123,24 +123,21 @@ class OwnerBucket:
         return None
 
     @torch.no_grad()
-    def unpack_reduced(
-        self, members: list[DedicatedParam], segment: torch.Tensor, divide_factor: float, present
-    ) -> None:
-        """Owner only: divide the summed gradients into ``owned.grad`` (accumulating);
-        ``present`` are the summed presence flags, already on the host."""
+    def reduced_grads(
+        self, members: list[DedicatedParam], segment: torch.Tensor, divide_factor: float
+    ) -> list[torch.Tensor]:
+        """Owner only: the summed gradients of ``members`` in ``segment`` divided by
+        ``divide_factor``, as views shaped like the parameters (cast to their dtype if the
+        reduce dtype differs). Needs no host synchronization: the presence flags decide later
+        which of them become ``owned.grad``."""
         if divide_factor != 1:
             segment.div_(divide_factor)
-        offset = 0
-        for p, flag in zip(members, present, strict=True):
-            if flag > 0:
-                grad = segment[offset : offset + p.numel].view(p.shape)
-                if grad.dtype != p.orig_dtype:
-                    grad = grad.to(p.orig_dtype)
-                if p.owned.grad is None:
-                    p.owned.grad = grad
-                else:
-                    p.owned.grad.add_(grad)
+        grads, offset = [], 0
+        for p in members:
+            grad = segment[offset : offset + p.numel].view(p.shape)
+            grads.append(grad if grad.dtype == p.orig_dtype else grad.to(p.orig_dtype))
             offset += p.numel
+        return grads
 
 
 class PendingReduce:

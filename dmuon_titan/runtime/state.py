@@ -191,7 +191,10 @@ class DMuonState:
 
         Whether any rank produced a gradient decides ``grad`` vs ``None`` on the host, so the
         presence flags of all owned segments come back in one device-to-host copy: the single
-        host synchronization of a step (at the end of backward), none in the hot loop.
+        host synchronization of a step (at the end of backward), none in the hot loop. All
+        other work (the division, the gradient views) is issued before it, so that after it
+        the GPU waits only for the assignments, not for a loop of Python over every owned
+        matrix (1.6 ms of an idle GPU per step for 56 matrices on an H200, measured).
         """
         pending, self._pending_reduces = self._pending_reduces, []
         for item in pending:
@@ -200,15 +203,24 @@ class DMuonState:
         owned = [item for item in pending if item.members is not None]
         if not owned:
             return
+        grads = [
+            item.bucket.reduced_grads(item.members, item.segment, self.gradient_divide_factor)
+            for item in owned
+        ]
         flags = torch.cat(
             [item.segment[item.segment.numel() - len(item.members) :] for item in owned]
         ).tolist()
         start = 0
-        for item in owned:
+        for item, item_grads in zip(owned, grads, strict=True):
             n = len(item.members)
-            item.bucket.unpack_reduced(
-                item.members, item.segment, self.gradient_divide_factor, flags[start : start + n]
-            )
+            for p, grad, flag in zip(
+                item.members, item_grads, flags[start : start + n], strict=True
+            ):
+                if flag > 0:
+                    if p.owned.grad is None:
+                        p.owned.grad = grad
+                    else:
+                        p.owned.grad.add_(grad)
             start += n
 
     # ------------------------------------------------------------------ replicas
