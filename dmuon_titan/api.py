@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .plan import ParamSpec, plan_partition, select_boundaries
-from .plan.collectives import check_boundary_collectives
+from .plan.collectives import boundary_layouts, check_boundary_collectives
 from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL
 from .runtime.collectives import Collectives
 from .runtime.group import BoundaryGroup
@@ -131,9 +131,15 @@ def dedicate_params(
     )
     shard_group = mesh.get_group() if mesh is not None else None
     replicate_group = replicate_mesh.get_group() if replicate_mesh is not None else None
+    layouts = boundary_layouts(plan, shard_size, collectives)
+    # Everything that decides which collectives run must agree across ranks, or they hang.
+    fingerprint = plan.fingerprint(
+        f"reshard_after_forward={reshard_after_forward}",
+        *(f"{boundary}={layout}" for boundary, layout in layouts.items()),
+    )
     for group in (shard_group, replicate_group):
         if group is not None:
-            _check_same_plan_everywhere(plan.fingerprint(), group, device)
+            _check_same_plan_everywhere(fingerprint, group, device)
     comm = Collectives(shard_group, replicate_group, device)
 
     boundary_paths = list(dict.fromkeys(boundaries[fqn] for fqn, *_ in selected))
@@ -162,7 +168,8 @@ def dedicate_params(
             modules[path],
             [p for p in params if p.boundary_index == i],
             shard_size=shard_size,
-            collectives=collectives,
+            layout=layouts[path],
+            auto=collectives == "auto",
         )
         for i, path in enumerate(boundary_paths)
     ]
@@ -242,7 +249,8 @@ def _check_same_plan_everywhere(fingerprint: int, group, device: torch.device) -
     if len(set(values)) != 1:
         raise RuntimeError(
             "DMuon plans differ across ranks (fingerprints per group rank: "
-            f"{values}); the model's parameter names, shapes or boundaries differ between ranks"
+            f"{values}); the model's parameter names, shapes or boundaries, or the "
+            "dedicate_params arguments (reshard_after_forward, collectives), differ between ranks"
         )
 
 
@@ -335,16 +343,18 @@ def summarize_plan(
     shard, replicas = state.shard_size, state.replicate_size
     stage1_param_bytes, stage1_reduce_bytes = 0, 0
     for g in state.groups:
-        p0 = g.params[0]
-        p_size = (param_dtype or p0.param_dtype).itemsize
-        r_size = (reduce_dtype or param_dtype or p0.reduce_dtype).itemsize
-        numel = sum(p.numel for p in g.params)
         if g.gathered:  # what the collectives carry, padding included (flags excluded)
+            p0 = g.params[0]  # one dtype per gathered boundary (checked at lazy init)
+            p_size = (param_dtype or p0.param_dtype).itemsize
+            r_size = (reduce_dtype or param_dtype or p0.reduce_dtype).itemsize
             stage1_param_bytes += shard * g.slot_numel * p_size
             stage1_reduce_bytes += (shard * g.reduce_slot_numel - len(g.params)) * r_size
-        else:
-            stage1_param_bytes += numel * p_size
-            stage1_reduce_bytes += numel * r_size
+            continue
+        for p in g.params:
+            stage1_param_bytes += p.numel * (param_dtype or p.param_dtype).itemsize
+            stage1_reduce_bytes += (
+                p.numel * (reduce_dtype or param_dtype or p.reduce_dtype).itemsize
+            )
     reduce_bytes = sum(
         p.numel * (reduce_dtype or param_dtype or p.reduce_dtype).itemsize for p in state.params
     )

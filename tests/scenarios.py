@@ -162,21 +162,50 @@ def count_host_syncs(rank: int, world_size: int, cfg: RunConfig) -> dict:
     return counts
 
 
-def plan_mismatch(rank: int, world_size: int) -> str:
-    """Ranks that dedicate different parameters must all fail at setup, not hang later."""
+def plan_mismatch(rank: int, world_size: int, what: str = "params") -> str:
+    """Ranks whose plans or collective choices differ must all fail at setup, not hang later:
+    ``what="params"``: each rank dedicates different parameters; ``"collectives"``: rank 0
+    moves boundaries by broadcasts, the others by all-gathers; ``"reshard"``: Z3 on rank 0,
+    Z2 elsewhere."""
     mesh = init_device_mesh("cpu", (world_size,))
     with torch.device("meta"):
         model = ToyTransformer()
     last = f"layers.{rank}."  # each rank leaves out a different layer
+    predicate, kwargs = dedicated_predicate, {}
+    if what == "params":
 
-    def predicate(name, p):
-        return dedicated_predicate(name, p) and not name.startswith(last)
+        def predicate(name, p):
+            return dedicated_predicate(name, p) and not name.startswith(last)
 
+    elif what == "collectives":
+        kwargs = {"collectives": "broadcast" if rank == 0 else "gather"}
+    else:
+        kwargs = {"reshard_after_forward": rank == 0}
     try:
-        dmuon.dedicate_params(model, mesh, predicate)
+        dmuon.dedicate_params(model, mesh, predicate, **kwargs)
     except RuntimeError as err:
         return str(err)
     return "no error"
+
+
+def owned_grad_storage(rank: int, world_size: int, cfg: RunConfig) -> dict:
+    """After one backward: bytes of storage the owned gradients keep alive, and what they
+    need (their elements plus one presence flag each)."""
+    model, _ = build_dmuon(cfg, world_size)
+    tokens = local_slice(cfg, batch(cfg, 0), rank, world_size)
+    loss_fn(model(tokens), tokens).backward()
+    state = model._dmuon_state
+    held = {}
+    for p in state.owned_params():
+        storage = p.owned.grad.untyped_storage()
+        held[storage.data_ptr()] = storage.nbytes()
+    owned = state.owned_params()
+    itemsize = owned[0].owned.grad.element_size() if owned else 0
+    return {
+        "held": sum(held.values()),
+        "needed": (sum(p.numel for p in owned) + len(owned)) * itemsize,
+        "owned": len(owned),
+    }
 
 
 def dcp_save(rank: int, world_size: int, cfg: RunConfig, path: str, at: int) -> dict:

@@ -11,6 +11,7 @@ from .scenarios import (
     dcp_load,
     dcp_save,
     mixed_precision,
+    owned_grad_storage,
     plan_mismatch,
     resume_load,
     resume_save,
@@ -187,9 +188,29 @@ def test_reused_boundary_and_unused_matrix(world_size):
         assert max(errors.values()) <= 1e-10, (cfg, max(errors, key=errors.get))
 
 
-def test_plans_that_differ_across_ranks_fail_everywhere():
-    for message in run_ranks(plan_mismatch, 2, timeout=60):
+@pytest.mark.parametrize("what", ["params", "collectives", "reshard"])
+def test_plans_that_differ_across_ranks_fail_everywhere(what):
+    for message in run_ranks(plan_mismatch, 2, what, timeout=60):
         assert "plans differ across ranks" in message
+
+
+@pytest.mark.parametrize(
+    "world_size, cfg",
+    [
+        (2, with_(EXACT, collectives="gather")),  # padded slots
+        (3, with_(EXACT, collectives="gather")),
+        (4, with_(EXACT, replicate=2)),  # HSDP: the other replica's segments
+        (4, with_(EXACT, replicate=2, collectives="gather")),
+    ],
+)
+def test_owned_gradients_keep_only_their_own_storage(world_size, cfg):
+    """Owned gradients are views of the reduce buffer; where that buffer holds more than the
+    owner's segment (gather padding, other replicas' segments) the segment is copied out, so
+    the rest is freed during backward instead of when the gradients are."""
+    results = run_ranks(owned_grad_storage, world_size, cfg)
+    assert sum(r["owned"] for r in results) == 21
+    for r in results:
+        assert r["held"] == r["needed"], r
 
 
 @pytest.mark.parametrize("save_on, load_on", [(3, 2), (2, 3)])

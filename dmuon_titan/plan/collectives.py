@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .partition import Plan
+
 BOUNDARY_COLLECTIVES = ("auto", "broadcast", "gather")
 
 
@@ -48,3 +50,18 @@ def choose_boundary_collectives(bucket_numels: Sequence[int], group_size: int, m
         return mode
     gather = link_cost(bucket_numels, group_size, "gather")
     return "gather" if gather < link_cost(bucket_numels, group_size, "broadcast") else "broadcast"
+
+
+def boundary_layouts(plan: Plan, shard_size: int, mode: str) -> dict[str, str]:
+    """The layout of every boundary of ``plan`` (in first-appearance order) for a shard group
+    of ``shard_size`` ranks: its buckets are its matrices grouped by owner column
+    (``owner % shard_size``)."""
+    check_boundary_collectives(mode)
+    columns: dict[str, dict[int, int]] = {}
+    for spec, owner in zip(plan.specs, plan.owners, strict=True):
+        sizes = columns.setdefault(spec.boundary, {})
+        sizes[owner % shard_size] = sizes.get(owner % shard_size, 0) + spec.numel
+    return {
+        boundary: choose_boundary_collectives(list(sizes.values()), shard_size, mode)
+        for boundary, sizes in columns.items()
+    }

@@ -57,11 +57,14 @@ class Plan:
         mean = sum(loads) / len(loads)
         return max(loads) / mean if mean > 0 else 1.0
 
-    def fingerprint(self) -> int:
-        """A 63-bit digest of everything that decides a collective; equal plans, equal digests."""
+    def fingerprint(self, *extra: str) -> int:
+        """A 63-bit digest of everything that decides a collective (the plan, and ``extra``:
+        the caller's other collective-deciding choices); equal inputs, equal digests."""
         h = hashlib.sha256(str(self.world_size).encode())
         for spec, owner in zip(self.specs, self.owners, strict=True):
             h.update(f"|{spec.fqn}:{spec.shape}:{spec.boundary}:{owner}".encode())
+        for item in extra:
+            h.update(f"|{item}".encode())
         return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
 
 

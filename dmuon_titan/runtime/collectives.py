@@ -180,7 +180,8 @@ class Collectives:
         if trailer_numel:
             self.stats.record(phase + "_flags", trailer_numel * size, n, ops=0)
         if n == 1:
-            out.copy_(buffer)
+            if out.data_ptr() != buffer.data_ptr():
+                out.copy_(buffer)
             return Pending()
         if self._use_streams:
             pending = self._on_stream(
@@ -194,6 +195,22 @@ class Collectives:
             out, buffer, op=dist.ReduceOp.SUM, group=pg, async_op=True
         )
         return Pending(work=work, tensor=(buffer, out))
+
+    def compact(self, tensor: Tensor, after: list[Pending]) -> tuple[Tensor, Pending]:
+        """A copy of ``tensor`` (a slice of a larger reduce buffer) made once the reduces
+        ``after`` are done, so the buffer's other elements can be freed without waiting for the
+        optimizer step. On CUDA the copy is queued on the reduce stream behind them."""
+        if not self._use_streams:
+            for pending in after:
+                pending.wait()
+            return tensor.clone(), Pending()
+        stream = self.streams["reduce"]
+        with torch.cuda.stream(stream):
+            copy = tensor.clone()
+            event = stream.record_event()
+        # Allocated on the reduce stream, consumed (and freed) on the compute stream.
+        copy.record_stream(torch.cuda.current_stream())
+        return copy, Pending(event=event)
 
     def all_reduce(self, tensor: Tensor, op=dist.ReduceOp.SUM) -> None:
         """Blocking all-reduce over the whole data-parallel world (shard, then replicate)."""

@@ -26,7 +26,6 @@ import enum
 import torch
 from torch import nn
 
-from ..plan.collectives import choose_boundary_collectives
 from .collectives import Collectives, Pending
 from .owned_param import DedicatedParam
 
@@ -130,8 +129,8 @@ class OwnerBucket:
         ``divide_factor``, as views shaped like the parameters (cast to their dtype if the
         reduce dtype differs). Needs no host synchronization: the presence flags decide later
         which of them become ``owned.grad``."""
-        if divide_factor != 1:
-            segment.div_(divide_factor)
+        if divide_factor != 1:  # the gradients, not the presence flags after them
+            segment[: segment.numel() - len(members)].div_(divide_factor)
         grads, offset = [], 0
         for p in members:
             grad = segment[offset : offset + p.numel].view(p.shape)
@@ -159,7 +158,8 @@ class BoundaryGroup:
         module: nn.Module,
         params: list[DedicatedParam],
         shard_size: int = 1,
-        collectives: str = "broadcast",
+        layout: str = "broadcast",
+        auto: bool = False,
     ):
         self.index = index
         self.path = path
@@ -170,10 +170,12 @@ class BoundaryGroup:
             by_column.setdefault(p.owner_shard, []).append(p)
         self.buckets = [OwnerBucket(s, by_column[s]) for s in sorted(by_column)]
         self.shard_size = shard_size
+        if layout not in ("broadcast", "gather"):
+            raise ValueError(f"layout must be 'broadcast' or 'gather', got {layout!r}")
         #: stage-1 layout, ``"broadcast"`` or ``"gather"`` (module doc); the same on every rank
-        self.layout = choose_boundary_collectives(
-            [b.numel for b in self.buckets], shard_size, collectives
-        )
+        self.layout = layout
+        #: chosen by ``collectives="auto"``: may fall back to "broadcast" (mixed dtypes)
+        self.auto = auto
         #: "gather": elements per shard rank's slot, weights and gradients (incl. flags)
         self.slot_numel = max(b.numel for b in self.buckets)
         self.reduce_slot_numel = max(b.reduce_numel for b in self.buckets)
@@ -195,6 +197,9 @@ class BoundaryGroup:
 
     def lazy_init(self, device: torch.device) -> None:
         dtypes = {bucket.resolve_dtypes() for bucket in self.buckets}
+        if self.gathered and len(dtypes) != 1 and self.auto:
+            # One buffer needs one dtype. The policies are the same on every rank, so is this.
+            self.layout = "broadcast"
         if self.gathered:
             if len(dtypes) != 1:
                 raise ValueError(
@@ -287,7 +292,7 @@ class BoundaryGroup:
             stage1 = comm.reduce_sum(
                 flat, bucket.owner_shard, "reduce", len(bucket.params), group="shard"
             )
-            issued.append(self._stage2(comm, bucket, flat, stage1))
+            issued.append(self._stage2(comm, bucket, flat, stage1, flat))
         return issued
 
     def _reduce_grads_gathered(self, comm: Collectives) -> list[PendingReduce]:
@@ -308,20 +313,25 @@ class BoundaryGroup:
             if used < slot:
                 region[used:].zero_()
         mine = by_column.get(comm.ranks["shard"])
-        out = torch.empty(slot, dtype=self.reduce_dtype, device=flat.device)
+        # One rank: nothing to scatter, the packed buffer is the sum.
+        out = flat if self.shard_size == 1 else torch.empty_like(flat[:slot])
         stage1 = comm.reduce_scatter_slots(
             flat, out, "reduce", sum(len(b.params) for b in self.buckets)
         )
         if mine is None:
             return [PendingReduce(None, None, None, [stage1])]
-        return [self._stage2(comm, mine, out[: mine.reduce_numel], stage1)]
+        return [self._stage2(comm, mine, out[: mine.reduce_numel], stage1, out)]
 
     @staticmethod
     def _stage2(
-        comm: Collectives, bucket: OwnerBucket, flat: torch.Tensor, stage1
+        comm: Collectives, bucket: OwnerBucket, flat: torch.Tensor, stage1, base: torch.Tensor
     ) -> PendingReduce:
-        """After stage 1 left ``bucket``'s column sum in ``flat`` (on the column's ranks):
-        with replicas, each segment to its global owner; what the owner unpacks later."""
+        """After stage 1 left ``bucket``'s column sum in ``flat`` (a slice of ``base``, on the
+        column's ranks): with replicas, each segment to its global owner; what the owner
+        unpacks later. The owned gradients become ``owned.grad`` as views, so when they are
+        only part of ``base`` (other replicas' segments, a gather slot's padding) they are
+        copied out first: otherwise all of ``base`` would stay allocated until the gradients
+        are freed, for every boundary at once by the end of backward."""
         handles = [stage1]
         if comm.replicate_size > 1 and bucket.holds_weight:
             if comm.device.type != "cuda":
@@ -340,7 +350,11 @@ class BoundaryGroup:
         if owned is None:
             return PendingReduce(bucket, None, None, handles)
         members, (start, size) = owned
-        return PendingReduce(bucket, members, flat[start : start + size], handles)
+        segment = flat[start : start + size]
+        if size < base.numel():
+            segment, done = comm.compact(segment, handles)
+            handles = [*handles, done]
+        return PendingReduce(bucket, members, segment, handles)
 
     # ---------------------------------------------------------------- updates back to replicas
     def broadcast_updates(self, comm: Collectives) -> None:
