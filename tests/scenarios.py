@@ -40,6 +40,7 @@ def accounting_and_storage(rank: int, world_size: int, configs: list[RunConfig])
             assert g.unshard_state is UnshardState.FREED, g.path
             for bucket in g.buckets:
                 assert bucket.buffer.untyped_storage().nbytes() == 0, g.path
+        assert state.presence_syncs == 0  # every owner had its own gradients
         for p in state.params:
             assert p.unsharded.grad is None and p.owned.grad is None, p.fqn
             if not p.is_owner:

@@ -89,4 +89,5 @@ def test_host_syncs_nccl(collectives):
     for counts in run_ranks(count_host_syncs, 2, cfg, backend="nccl"):
         print(counts)
         assert counts["forward"] == 0
-        assert counts["backward"] <= 1  # the presence flags, once, at the end of backward
+        # every owner had its own gradients: the presence flags need not be read back
+        assert counts["backward"] == 0

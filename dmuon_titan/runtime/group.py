@@ -105,6 +105,9 @@ class OwnerBucket:
             for i, p in enumerate(members):
                 grad = p.unsharded.grad
                 view = flat[offset : offset + p.numel]
+                # Known here, on the host: if the owner itself had a gradient, the flags
+                # need not be read (see DMuonState.finalize_reduces).
+                p.packed_local_grad = grad is not None
                 if grad is None:
                     view.zero_()
                 else:

@@ -86,6 +86,8 @@ class DedicatedParam:
         setattr(self.owned, OWNER_ATTR, owner)
         _DEDICATED_SLOTS.setdefault(module, set()).add(attr)
         self.unsharded: nn.Parameter | None = None
+        #: whether this rank had a gradient when the boundary last packed its gradients
+        self.packed_local_grad = False
 
     def adopt_registered(self) -> None:
         """Follow the module's parameter if ``nn.Module._apply`` replaced it.

@@ -66,6 +66,9 @@ class DMuonState:
         self._pending_reduces: list[PendingReduce] = []
         self._initialized = False
         self._replicas_synced = False
+        #: how many times the gradient-presence flags were read back (a host sync each);
+        #: stays 0 while every owner has its own gradient for every matrix it owns
+        self.presence_syncs = 0
 
     # ------------------------------------------------------------------ setup
     def lazy_init(self) -> None:
@@ -189,12 +192,12 @@ class DMuonState:
     def finalize_reduces(self) -> None:
         """Wait for issued reduces; global owners turn them into ``owned.grad``.
 
-        Whether any rank produced a gradient decides ``grad`` vs ``None`` on the host, so the
-        presence flags of all owned segments come back in one device-to-host copy: the single
-        host synchronization of a step (at the end of backward), none in the hot loop. All
-        other work (the division, the gradient views) is issued before it, so that after it
-        the GPU waits only for the assignments, not for a loop of Python over every owned
-        matrix (1.6 ms of an idle GPU per step for 56 matrices on an H200, measured).
+        A matrix gets ``grad`` if any rank produced a gradient for it, else keeps ``None``
+        (skipped by the step, as torch.optim does). The owner knows on the host whether it
+        had one itself, which settles it in ordinary training with no synchronization at
+        all. Only for owned matrices the owner had no gradient for (unused on this rank) are
+        the summed presence flags read back: one device-to-host copy, a host synchronization,
+        after everything else has been issued.
         """
         pending, self._pending_reduces = self._pending_reduces, []
         for item in pending:
@@ -207,21 +210,25 @@ class DMuonState:
             item.bucket.reduced_grads(item.members, item.segment, self.gradient_divide_factor)
             for item in owned
         ]
-        flags = torch.cat(
-            [item.segment[item.segment.numel() - len(item.members) :] for item in owned]
-        ).tolist()
-        start = 0
+        unknown = [item for item in owned if not all(p.packed_local_grad for p in item.members)]
+        self.presence_syncs += bool(unknown)
+        flags = iter(
+            torch.cat(
+                [item.segment[item.segment.numel() - len(item.members) :] for item in unknown]
+            ).tolist()
+            if unknown
+            else ()
+        )
+        unknown_ids = {id(item) for item in unknown}
         for item, item_grads in zip(owned, grads, strict=True):
-            n = len(item.members)
-            for p, grad, flag in zip(
-                item.members, item_grads, flags[start : start + n], strict=True
-            ):
-                if flag > 0:
+            read = id(item) in unknown_ids
+            for p, grad in zip(item.members, item_grads, strict=True):
+                flag = next(flags) if read else None
+                if p.packed_local_grad or (flag is not None and flag > 0):
                     if p.owned.grad is None:
                         p.owned.grad = grad
                     else:
                         p.owned.grad.add_(grad)
-            start += n
 
     # ------------------------------------------------------------------ replicas
     def after_step(self) -> None:
