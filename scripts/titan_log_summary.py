@@ -16,17 +16,20 @@ import sys
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
 PLAN = re.compile(r"NS GFLOP per rank \[([\d., ]+)\]")
+PLAIN = re.compile(r"plain-NS GFLOP ([\d.]+) in all")
 DMUON = re.compile(r"dmuon step:\s*(\d+)\s+optimizer:\s*([\d.]+)ms\s+ns:\s*([\d.]+)ms")
 
 
 def summarize(path: str, skip: int, tokens_per_step: int) -> dict:
-    tps, mem, opt, ns, loss, ns_gflop = [], [], [], [], {}, None
+    tps, mem, opt, ns, loss, ns_gflop, plain = [], [], [], [], {}, None, None
     for line in open(path, errors="replace"):
         line = ANSI.sub("", line)
         if "validate" in line:
             continue
         if (m := PLAN.search(line)) and ns_gflop is None:
             ns_gflop = [float(v) for v in m.group(1).split(",")]
+            if p := PLAIN.search(line):
+                plain = float(p.group(1))
         if m := STEP.search(line):
             step = int(m.group(1))
             loss[step] = float(m.group(2))
@@ -49,6 +52,7 @@ def summarize(path: str, skip: int, tokens_per_step: int) -> dict:
         "ns_ms": statistics.median(ns) if ns else None,
         "final_loss": loss[max(loss)],
         "ns_gflop_per_rank": ns_gflop,
+        "plain_ns_gflop": plain,
     }
 
 
@@ -58,6 +62,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--batch", type=int, required=True, help="local batch size")
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out")
+    parser.add_argument(
+        "--floor-gflop",
+        type=float,
+        default=None,
+        help="plain-NS GFLOP of all dedicated matrices, for logs that do not state it "
+        "(llama3-8B: 665891.7)",
+    )
     parser.add_argument(
         "--floor-tflops",
         type=float,
@@ -82,10 +93,13 @@ def main() -> None:
         for r in rows[1:]:
             if r["ns_gflop_per_rank"]:
                 loads = r["ns_gflop_per_rank"]
-                floor_s = sum(loads) / len(loads) / (args.floor_tflops * 1e3)
+                # Plain NS FLOPs of all matrices: given, logged (since round 6), or, in older
+                # logs whose plans were weighed by plain FLOPs, the sum of the per-rank loads.
+                total = args.floor_gflop or r["plain_ns_gflop"] or sum(loads)
+                floor_s = total / len(loads) / (args.floor_tflops * 1e3)
                 print(
-                    f"\n{r['log']}: T_floor = {floor_s * 1e3:.0f} ms (NS {sum(loads):,.0f} GFLOP over "
-                    f"{len(loads)} ranks at {args.floor_tflops:.0f} TFLOP/s); "
+                    f"\n{r['log']}: T_floor = {floor_s * 1e3:.0f} ms (plain NS {total:,.0f} GFLOP "
+                    f"over {len(loads)} ranks at {args.floor_tflops:.0f} TFLOP/s); "
                     f"(T - T_first) / T_floor = {(r['step_s'] - base) / floor_s:.2f}"
                 )
     sys.stdout.flush()

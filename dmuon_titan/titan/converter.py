@@ -15,6 +15,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
 from ..api import clean_fqn, dedicate_params, summarize_plan
+from ..ns import orthogonalize_flops
 from .config import ConfigError
 
 #: The job being trained in this process (the optimizer builder only receives [optimizer]).
@@ -136,12 +137,15 @@ class DMuonConverter:
         )
         ACTIVE.setdefault("models", []).append(model)
         loads = summary["ns_flops_per_rank"]
+        # The yardstick of the benchmarks (T_floor): plain NS of every matrix, whatever runs.
+        plain = sum(orthogonalize_flops(p["shape"], "plain") for p in summary["params"])
         logger.info(
             f"DMuon: {summary['num_params']} matrices on {summary['world_size']} ranks "
             f"({_count(summary['replicate_size'], 'replica')} x "
             f"{_count(summary['shard_size'], 'shard')}), "
             f"{len(summary['boundaries'])} hook boundaries, NS GFLOP per rank "
-            f"{[round(x / 1e9, 1) for x in loads]} (imbalance {summary['imbalance']:.3f}), "
+            f"{[round(x / 1e9, 1) for x in loads]} (imbalance {summary['imbalance']:.3f}; "
+            f"plain-NS GFLOP {plain / 1e9:.1f} in all), "
             f"{summary['bytes_per_rank_per_step']['total'] / 2**20:.1f} MiB per rank per step "
             f"({'Z3' if cfg.reshard_after_forward else 'Z2'}, "
             f"{_layouts(summary['boundaries'])}); NS {cfg.ns_algorithm} in "
