@@ -341,23 +341,23 @@ def summarize_plan(
     n = state.world_size
     loads = plan.load_per_rank()
     shard, replicas = state.shard_size, state.replicate_size
+
+    def param_size(p) -> int:
+        return (param_dtype or p.param_dtype).itemsize
+
+    def reduce_size(p) -> int:
+        return (reduce_dtype or param_dtype or p.reduce_dtype).itemsize
+
     stage1_param_bytes, stage1_reduce_bytes = 0, 0
     for g in state.groups:
         if g.gathered:  # what the collectives carry, padding included (flags excluded)
             p0 = g.params[0]  # one dtype per gathered boundary (checked at lazy init)
-            p_size = (param_dtype or p0.param_dtype).itemsize
-            r_size = (reduce_dtype or param_dtype or p0.reduce_dtype).itemsize
-            stage1_param_bytes += shard * g.slot_numel * p_size
-            stage1_reduce_bytes += (shard * g.reduce_slot_numel - len(g.params)) * r_size
-            continue
-        for p in g.params:
-            stage1_param_bytes += p.numel * (param_dtype or p.param_dtype).itemsize
-            stage1_reduce_bytes += (
-                p.numel * (reduce_dtype or param_dtype or p.reduce_dtype).itemsize
-            )
-    reduce_bytes = sum(
-        p.numel * (reduce_dtype or param_dtype or p.reduce_dtype).itemsize for p in state.params
-    )
+            stage1_param_bytes += shard * g.slot_numel * param_size(p0)
+            stage1_reduce_bytes += (shard * g.reduce_slot_numel - len(g.params)) * reduce_size(p0)
+        else:
+            stage1_param_bytes += sum(p.numel * param_size(p) for p in g.params)
+            stage1_reduce_bytes += sum(p.numel * reduce_size(p) for p in g.params)
+    reduce_bytes = sum(p.numel * reduce_size(p) for p in state.params)
     master_bytes = sum(p.numel * p.orig_dtype.itemsize for p in state.params)
     # Per rank, averaged over the data-parallel world (see CommStats for the convention).
     in_shard = (shard - 1) / shard

@@ -8,6 +8,7 @@ run. The converter also checks, at start-up, that the rest of the job can work w
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import torch
 from torch import nn
@@ -157,8 +158,6 @@ class DMuonConverter:
 
 
 def _layouts(boundaries: list[dict]) -> str:
-    """e.g. "32 boundaries by all-gather": how the boundaries' weights move."""
-    counts: dict[str, int] = {}
-    for b in boundaries:
-        counts[b["collectives"]] = counts.get(b["collectives"], 0) + 1
+    """How the boundaries' weights move, e.g. "32 by all-gather" or "4 by broadcast"."""
+    counts = Counter(b["collectives"] for b in boundaries)
     return ", ".join(f"{n} by {'all-gather' if k == 'gather' else k}" for k, n in counts.items())
