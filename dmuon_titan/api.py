@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 from .plan import ParamSpec, plan_partition, select_boundaries
 from .plan.collectives import boundary_layouts, check_boundary_collectives
 from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL
-from .runtime.collectives import Collectives
+from .runtime.collectives import Collectives, new_process_groups
 from .runtime.group import BoundaryGroup
-from .runtime.hooks import register_boundary_hooks
+from .runtime.hooks import register_boundary_hooks, register_root_hooks, register_scope_hooks
 from .runtime.owned_param import DedicatedParam
 from .runtime.state import STATE_ATTR, DMuonState, get_state
 
@@ -140,7 +140,7 @@ def dedicate_params(
     for group in (shard_group, replicate_group):
         if group is not None:
             _check_same_plan_everywhere(fingerprint, group, device)
-    comm = Collectives(shard_group, replicate_group, device)
+    comm = Collectives(new_process_groups(shard_group, replicate_group), device)
 
     boundary_paths = list(dict.fromkeys(boundaries[fqn] for fqn, *_ in selected))
     boundary_index = {path: i for i, path in enumerate(boundary_paths)}
@@ -184,6 +184,8 @@ def dedicate_params(
     )
     for g in groups:
         register_boundary_hooks(state, g)
+    register_scope_hooks(state, modules, boundary_paths)
+    register_root_hooks(state, model)
     setattr(model, STATE_ATTR, state)
     return summarize_plan(model)
 
@@ -214,14 +216,16 @@ def _select_params(model: nn.Module, predicate: ParamPredicate):
                 places.setdefault(p, []).append((fqn, module, attr))
     selected = []
     for p, where in places.items():
-        fqn, module, attr = where[0]
-        if not predicate(fqn, p):
+        # A tied weight has several names; the predicate may pick it by any of them.
+        picked = [w[0] for w in where if predicate(w[0], p)]
+        if not picked:
             continue
+        fqn, module, attr = where[0]
         if len(where) > 1:
             raise ValueError(
-                f"dedicated parameter {fqn!r} is shared between modules "
-                f"({[w[0] for w in where]}); tied weights cannot be dedicated, exclude them "
-                "in the predicate"
+                f"dedicated parameter {picked[0]!r} is shared between modules (tied: "
+                f"{[w[0] for w in where]}); tied weights cannot be dedicated, exclude every "
+                "one of its names in the predicate (it then stays on AdamW)"
             )
         if p.ndim != 2:
             raise ValueError(

@@ -22,9 +22,6 @@ from .runtime.owned_param import is_dedicated
 from .runtime.state import STATE_ATTR, DMuonState
 from .timing import PhaseTimer
 
-MUON_GROUP = 0
-ADAMW_GROUP = 1
-
 #: Default chunk of batched Newton–Schulz: 2**27 elements (256 MiB in bf16, plus NS's own
 #: working copies of that size).
 DEFAULT_NS_BATCH_NUMEL = 2**27
@@ -131,6 +128,8 @@ class Muon(torch.optim.Optimizer):
                     stacklevel=2,
                 )
         muon_params, other_params = self._split_params(model)
+        #: names for messages (a parameter of the AdamW group still on the meta device)
+        self._names = {id(p): name for name, p in model.named_parameters()}
         muon_group = {
             "params": muon_params,
             "use_muon": True,
@@ -170,6 +169,31 @@ class Muon(torch.optim.Optimizer):
         others = [p for p in model.parameters() if p.requires_grad and not is_dedicated(p)]
         return dedicated, others
 
+    def follow_model(self) -> None:
+        """Hold the dedicated parameters the model holds now.
+
+        ``to_empty`` (a meta model) replaces every plain parameter object; FSDP2's keep theirs.
+        A ``Muon`` built before ``to_empty`` would otherwise step the discarded meta tensors:
+        the dedicated slots are followed (their state moves along), and an AdamW parameter
+        left on the meta device is an error naming it.
+        """
+        if self._dmuon is not None:
+            self._dmuon.adopt_registered()
+            held = self.param_groups[0]["params"]
+            for i, p in enumerate(self._dmuon.params):
+                if held[i] is not p.owned:
+                    if held[i] in self.state:
+                        self.state[p.owned] = self.state.pop(held[i])
+                    held[i] = p.owned
+        for p in self.param_groups[1]["params"]:
+            if p.is_meta:
+                name = self._names.get(id(p), f"of shape {tuple(p.shape)}")
+                raise RuntimeError(
+                    f"Muon: parameter {name!r} (AdamW group) is still on the meta device: "
+                    "build the optimizer after model.to_empty(...) (FSDP2 parameters survive "
+                    "to_empty, parameters of modules without fully_shard do not)"
+                )
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
@@ -177,6 +201,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.follow_model()
         if self._dmuon is not None:
             self._dmuon.finalize_reduces()
         self.timer.reset()
@@ -324,6 +349,7 @@ class Muon(torch.optim.Optimizer):
         this changes no future update; it gives checkpoint loading tensors to load into.
         Collective-free, like ``step()``.
         """
+        self.follow_model()
         stepped = self._stepped_ids()
         for group in self.param_groups:
             for p in group["params"]:

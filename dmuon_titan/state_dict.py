@@ -65,7 +65,7 @@ def _broadcast_from_owner(
         buf = torch.empty(p.shape, dtype=p.orig_dtype, device=state.device)
     if not column_has_it and p.holds_weight:  # the owner's column peers first (replicas)
         comm.broadcast(buf, p.owner_replica, "state_dict", group="replicate").wait()
-    comm.broadcast(buf, p.owner_shard, "state_dict", group="shard").wait()
+    comm.broadcast(buf, p.owner_shard, "state_dict", group="unshard").wait()
     return _cpu_copy(buf)
 
 
@@ -190,6 +190,7 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
         raise ValueError(f"expected a dmuon_titan.Muon optimizer, got {type(optimizer).__name__}")
     if optimizer._dmuon is not _state(model):
         raise ValueError("the optimizer was built for a different model")
+    optimizer.follow_model()
 
 
 def _sharded_optimizer_entries(model: nn.Module, optimizer: Muon):

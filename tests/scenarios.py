@@ -124,7 +124,7 @@ def mixed_precision(rank: int, world_size: int, device: str = "cpu") -> dict:
         got = p.owned.grad if p.is_owner else torch.empty_like(expected)
         if p.is_owner:
             assert got.dtype == torch.float32
-        dist.broadcast(got, group_src=p.owner, group=state.comm.groups["shard"])
+        dist.broadcast(got, group_src=p.owner, group=state.comm.groups["unshard"])
         worst = max(worst, ((got - expected).norm() / expected.norm()).item())
     optimizer.step()
     momentum_dtypes = {
@@ -294,3 +294,26 @@ def step_is_collective_free(rank: int, world_size: int, cfg: RunConfig) -> dict:
     optimizer.step()
     after = dmuon.get_model_state_dict(model)
     return {k: torch.equal(v, after[k]) for k, v in before.items()}
+
+
+def participation_suite(rank: int, world_size: int, configs: list[RunConfig]) -> list[dict]:
+    """Per config: the trained weights (full, on rank 0) and, per DMuon process group, its
+    members and every collective this rank issued on it over all the steps."""
+    from .workers import train_dmuon_logged
+
+    out = []
+    for cfg in configs:
+        weights, logs = train_dmuon_logged(rank, world_size, cfg)
+        out.append({"weights": weights if rank == 0 else None, "logs": logs})
+        dist.barrier()
+    return out
+
+
+def reuse_beyond_schedule(rank: int, world_size: int, cfg: RunConfig) -> None:
+    """From the second step on, rank 1 runs ``layers.0`` once more per forward than the
+    order recorded in the first step allows: a situation no schedule can serve."""
+    model, optimizer = build_dmuon(cfg, world_size)
+    train_step(cfg, model, optimizer, 0, rank, world_size)
+    if rank == 1:
+        model.order = (0, 1, 0, 0, 2)
+    train_step(cfg, model, optimizer, 1, rank, world_size)

@@ -232,3 +232,15 @@ def test_dcp_owner_only_checkpoint_reshards(tmp_path, save_on, load_on):
 def test_step_without_grads_is_local_and_a_no_op():
     for unchanged in run_ranks(step_is_collective_free, 3, EXACT, timeout=120):
         assert all(unchanged.values()), [k for k, v in unchanged.items() if not v]
+
+
+def test_optimizer_built_before_to_empty_trains_and_checkpoints():
+    """``Muon(model)`` after fully_shard but before to_empty (a meta model): to_empty
+    replaces the dedicated parameter objects; the optimizer follows them, so the run equals
+    the reference and the optimizer state dict has every matrix's momentum."""
+    cfg = with_(EXACT, optimizer_first=True)
+    out = run_ranks(resume_save, 2, cfg, 3)[0]
+    errors = relative_errors(out["final"], train_reference(cfg), initial_state(cfg))
+    assert max(errors.values()) <= 1e-10
+    momentum = [k for k, v in out["optim"]["state"].items() if "momentum_buffer" in v]
+    assert len(momentum) == 21

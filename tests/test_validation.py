@@ -61,6 +61,35 @@ def test_shared_param(cpu_mesh):
         dmuon.dedicate_params(model, cpu_mesh, lambda n, p: p.ndim == 2)
 
 
+@pytest.mark.parametrize("alone", [False, True])
+def test_tied_weight_selected_by_its_second_name(cpu_mesh, alone):
+    """``output.weight`` tied to the embedding: the predicate picks it by its second name,
+    with other matrices or alone; either way the tie is named, never a silent AdamW."""
+    model = meta_model()
+    model.output.weight = model.tok_embeddings.weight
+
+    def predicate(name, p):
+        return name == "output.weight" or (not alone and dedicated_predicate(name, p))
+
+    with (
+        no_collectives(),
+        pytest.raises(ValueError, match=r"'output\.weight' is shared.*tied.*tok_embeddings"),
+    ):
+        dmuon.dedicate_params(model, cpu_mesh, predicate)
+
+
+def test_optimizer_with_adamw_params_left_on_meta(cpu_mesh):
+    """No fully_shard, optimizer built before to_empty: the AdamW parameters it holds were
+    replaced by to_empty; step() names one instead of training nothing."""
+    model = meta_model()
+    dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    with pytest.raises(RuntimeError, match=r"'tok_embeddings\.weight'.*meta device.*to_empty"):
+        optimizer.step()
+
+
 def test_frozen_param(cpu_mesh):
     model = meta_model()
     model.layers[1].feed_forward.w2.weight.requires_grad_(False)

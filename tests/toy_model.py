@@ -134,8 +134,127 @@ class ReuseTransformer(ToyTransformer):
         dim = self.output.in_features
         self.layers[1].spare = nn.Linear(dim, dim, bias=False)
 
+    #: the blocks in the order one forward runs them
+    order = (0, 1, 0, 2)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
-        for i in (0, 1, 0, 2):
+        for i in self.order:
             h = self.layers[i](h)
         return self.output(self.norm(h))
+
+
+# ---------------------------------------------------------------- data-dependent participation
+class BranchBlock(Block):
+    """A block with one more matrix, ``branch``, applied to the samples flagged by ``mask``
+    only, and not called at all when no sample of the batch is flagged."""
+
+    def __init__(self, dim: int, hidden: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__(dim, hidden, n_heads, n_kv_heads)
+        self.branch = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = super().forward(x)
+        if mask is not None and bool(mask.any()):
+            h = h + mask[:, None, None].to(h.dtype) * self.branch(h)
+        return h
+
+
+#: the first token that flags a sample for ``BranchTransformer``'s branch
+BRANCH_TOKEN = 0
+
+
+class BranchTransformer(ToyTransformer):
+    """``layers.1.branch`` runs only on batches with a sample that starts with BRANCH_TOKEN:
+    with data chosen so, on some ranks only (a dedicated matrix without a local gradient)."""
+
+    def __init__(self, vocab: int = 64, **kwargs) -> None:
+        super().__init__(vocab=vocab, **kwargs)
+        dim, layer = self.output.in_features, self.layers[1]
+        heads = layer.attention.n_heads, layer.attention.n_kv_heads
+        self.layers[1] = BranchBlock(dim, layer.feed_forward.w1.out_features, *heads)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        mask = tokens[:, 0] == BRANCH_TOKEN
+        for i, layer in enumerate(self.layers):
+            h = layer(h, mask) if i == 1 else layer(h)
+        return self.output(self.norm(h))
+
+
+class Expert(nn.Module):
+    """The seed's MoE expert (custom-hook-boundaries, Example 2)."""
+
+    def __init__(self, d: int, d_ff: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d, d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)))
+
+
+class MoELayer(nn.Module):
+    """The seed's MoE layer with top-1 routing: each token goes to expert ``token % E`` (a
+    fixed hash, so tests choose which experts a rank's data uses), scaled by the router's
+    softmax gate. An expert without tokens is not called at all."""
+
+    def __init__(self, d: int, d_ff: int, n_experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, n_experts, bias=False)
+        self.experts = nn.ModuleList([Expert(d, d_ff) for _ in range(n_experts)])
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        flat, ids = x.reshape(-1, d), expert_ids.reshape(-1)
+        gates = torch.softmax(self.router(flat), dim=-1).gather(1, ids[:, None])
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows = (ids == e).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            out = out.index_add(0, rows, gates[rows] * expert(flat[rows]))
+        return self.o_proj(out.view(b, t, d))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        self.moe_norm = nn.RMSNorm(dim)
+        self.moe = MoELayer(dim, hidden, n_experts)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.moe_norm(x), expert_ids)
+
+
+class MoETransformer(nn.Module):
+    """Embedding, MoE blocks (router, experts as separate modules, o_proj), head."""
+
+    init_weights = ToyTransformer.init_weights
+
+    def __init__(
+        self, vocab: int = 64, dim: int = 32, hidden: int = 48, n_layers: int = 2, n_experts=4
+    ) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([MoEBlock(dim, hidden, n_experts) for _ in range(n_layers)])
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, tokens % self.n_experts)
+        return self.output(self.norm(h))
+
+
+def moe_predicate(name: str, param: torch.Tensor) -> bool:
+    """The seed's Example 2: 2-D matrices except the router's (and the embedding/head)."""
+    return dedicated_predicate(name, param) and "router" not in name
+
+
+def moe_boundary(module: nn.Module) -> bool:
+    """The seed's Example 2: each expert is a hook site, the layer holds the rest."""
+    return isinstance(module, (Expert, MoELayer))

@@ -17,9 +17,28 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dmuon_titan as dmuon
 
-from .toy_model import ReuseTransformer, ToyTransformer, dedicated_predicate, loss_fn
+from .toy_model import (
+    BRANCH_TOKEN,
+    BranchTransformer,
+    MoETransformer,
+    ReuseTransformer,
+    ToyTransformer,
+    dedicated_predicate,
+    loss_fn,
+    moe_boundary,
+    moe_predicate,
+)
 
-MODELS = {"toy": ToyTransformer, "reuse": ReuseTransformer}
+MODELS = {
+    "toy": ToyTransformer,
+    "reuse": ReuseTransformer,
+    "branch": BranchTransformer,
+    "moe": MoETransformer,
+}
+#: the Muon matrices of each model (the reference's torch.optim.Muon gets the same)
+PREDICATES = {"moe": moe_predicate}
+#: hook_boundary_predicate per model (default: the layers.N heuristic)
+BOUNDARIES = {"moe": moe_boundary}
 
 
 @dataclass(frozen=True)
@@ -47,13 +66,35 @@ class RunConfig:
     device: str = "cpu"
     compile_backend: str | None = None  # torch.compile each block (fullgraph) with this backend
     replicate: int = 1  # HSDP replicas: ranks form a (replicate, shard) grid
+    ddp: bool = False  # dedicate_params(mesh=None, replicate_mesh=all ranks): replication only
     replicate_async: bool = True
     collectives: str = "broadcast"  # dedicate_params(collectives=...): stage-1 layout
+    optimizer_first: bool = False  # build Muon after fully_shard but before to_empty
+
+
+#: MoE data: the expert residues (token % 4) each block of rows may use. Whatever the world
+#: size (1-4, 24 rows), every rank's rows miss one of experts 0-2, and no row uses expert 3.
+MOE_ROW_EXPERTS = ((range(0, 8), (1, 2)), (range(8, 16), (2,)), (range(16, 24), (0, 2)))
+#: branch data: only these rows start with BRANCH_TOKEN (so only the first rank's slice)
+BRANCH_ROWS = 6
 
 
 def batch(cfg: RunConfig, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g)
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g)
+    if cfg.model == "branch":
+        first = tokens[:, 0]
+        first[first == BRANCH_TOKEN] += 1
+        first[:BRANCH_ROWS] = BRANCH_TOKEN
+    elif cfg.model == "moe":
+        assert cfg.batch == 24 and cfg.vocab % 4 == 0
+        for rows, experts in MOE_ROW_EXPERTS:
+            allowed = torch.tensor(experts)
+            pick = torch.randint(0, len(experts), (len(rows), cfg.seq), generator=g)
+            tokens[rows.start : rows.stop] = (
+                4 * (tokens[rows.start : rows.stop] // 4) + allowed[pick]
+            )
+    return tokens
 
 
 # ---------------------------------------------------------------------- reference
@@ -85,8 +126,9 @@ def train_reference(
     model = MODELS[cfg.model](vocab=cfg.vocab)
     model.init_weights()
     model.to(dtype)
-    muon_params = [p for n, p in model.named_parameters() if dedicated_predicate(n, p)]
-    other_params = [p for n, p in model.named_parameters() if not dedicated_predicate(n, p)]
+    selected = PREDICATES.get(cfg.model, dedicated_predicate)
+    muon_params = [p for n, p in model.named_parameters() if selected(n, p)]
+    other_params = [p for n, p in model.named_parameters() if not selected(n, p)]
     muon = torch.optim.Muon(
         muon_params,
         lr=cfg.lr,
@@ -125,13 +167,14 @@ def initial_state(cfg: RunConfig) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------- DMuon
 def build_dmuon(cfg: RunConfig, world_size: int):
     """Meta model → dedicate → (AC) → fully_shard → to_empty → init_weights → Muon."""
-    if cfg.replicate > 1:
+    if cfg.replicate > 1 or cfg.ddp:
+        replicas = world_size if cfg.ddp else cfg.replicate
         grid = init_device_mesh(
-            cfg.device,
-            (cfg.replicate, world_size // cfg.replicate),
-            mesh_dim_names=("replicate", "shard"),
+            cfg.device, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard")
         )
         fsdp_mesh, shard_mesh, replicate_mesh = grid, grid["shard"], grid["replicate"]
+        if cfg.ddp:
+            shard_mesh = None  # DMuon replicates; FSDP2 (1 shard) all-reduces the rest
     else:
         fsdp_mesh = shard_mesh = init_device_mesh(cfg.device, (world_size,))
         replicate_mesh = None
@@ -141,7 +184,8 @@ def build_dmuon(cfg: RunConfig, world_size: int):
     dmuon.dedicate_params(
         model,
         shard_mesh,
-        dedicated_predicate,
+        PREDICATES.get(cfg.model, dedicated_predicate),
+        hook_boundary_predicate=BOUNDARIES.get(cfg.model),
         reshard_after_forward=cfg.reshard_after_forward,
         replicate_mesh=replicate_mesh,
         replicate_async=cfg.replicate_async,
@@ -166,12 +210,22 @@ def build_dmuon(cfg: RunConfig, world_size: int):
         else MixedPrecisionPolicy()
     )
     for layer in model.layers:
+        for expert in getattr(getattr(layer, "moe", None), "experts", ()):
+            fully_shard(expert, mesh=fsdp_mesh, mp_policy=mp)  # the seed's MoE wrapping
         fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
+    if cfg.optimizer_first:
+        optimizer = build_optimizer(cfg, model)
     if cfg.meta_init:
         model.to_empty(device=cfg.device)
     model.init_weights()
-    optimizer = dmuon.Muon(
+    if not cfg.optimizer_first:
+        optimizer = build_optimizer(cfg, model)
+    return model, optimizer
+
+
+def build_optimizer(cfg: RunConfig, model) -> dmuon.Muon:
+    return dmuon.Muon(
         model,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
@@ -184,7 +238,6 @@ def build_dmuon(cfg: RunConfig, world_size: int):
         adamw_eps=1e-8,
         adamw_weight_decay=cfg.weight_decay,
     )
-    return model, optimizer
 
 
 def local_slice(cfg: RunConfig, tokens: torch.Tensor, rank: int, world_size: int):
@@ -213,6 +266,32 @@ def train_dmuon(rank: int, world_size: int, cfg: RunConfig) -> dict:
         "weights": dmuon.get_model_state_dict(model),
         "plan": dmuon.summarize_plan(model),
     }
+
+
+def train_dmuon_logged(rank: int, world_size: int, cfg: RunConfig):
+    """``train_dmuon`` that also returns, per DMuon process group, (its ranks, every collective
+    this rank issued on it) for the whole run."""
+    model, optimizer = build_dmuon(cfg, world_size)
+    comm = model._dmuon_state.comm
+    comm.log = []
+    calls: dict[str, int] = {}  # forward calls per module of interest (training forwards)
+    for name, module in model.named_modules():
+        name = dmuon.api.clean_fqn(name)
+        if name.endswith((".branch", ".o_proj")) or ".experts." in name:
+            calls[name] = 0
+            module.register_forward_pre_hook(
+                lambda m, a, name=name: (
+                    calls.__setitem__(name, calls[name] + 1) if torch.is_grad_enabled() else None
+                )
+            )
+    for step in range(cfg.steps):
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    logs = {"calls": calls}
+    for kind, group in comm.groups.items():
+        if group is not None:
+            entries = [e for e in comm.log if e[0] == kind]
+            logs[kind] = (tuple(dist.get_process_group_ranks(group)), entries)
+    return dmuon.get_model_state_dict(model), logs
 
 
 def parity_suite(rank: int, world_size: int, configs: list[RunConfig]) -> list[dict]:

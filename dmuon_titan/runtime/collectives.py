@@ -1,9 +1,14 @@
-"""The collectives DMuon issues: broadcasts from and reduces to owners, in two groups.
+"""The collectives DMuon issues: broadcasts from and reduces to owners, on its own groups.
 
-``shard`` is the group a layer's weights are broadcast in and its gradients first reduced in
-(the FSDP shard group); ``replicate`` (HSDP/DDP replicas) carries the second reduce stage and
-the owner's updated weights back to the replicas. A missing group has one rank and costs
-nothing.
+The shard ranks (the FSDP shard group) broadcast a layer's weights and first reduce its
+gradients; the replicas (HSDP/DDP) carry the second reduce stage and the owner's updated
+weights back. A missing group has one rank and costs nothing.
+
+Collectives on one process group must be issued in the same order on every rank. FSDP2's own
+collectives, DMuon's weight broadcasts (the forward/backward schedule) and its gradient
+reduces (issued as each rank's gradients become final) each follow an order of their own, so
+each gets a process group of its own (:func:`new_process_groups`): ``unshard`` and ``reduce``
+over the shard ranks, ``replicate`` over the replicas.
 
 One code path for every backend. On CUDA each kind of collective runs on its own stream and
 the consumer waits on a CUDA event (no host synchronization); on CPU (gloo) the collective is
@@ -22,23 +27,65 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+def new_process_groups(
+    shard_group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None
+) -> dict[str, dist.ProcessGroup | None]:
+    """DMuon's own groups: ``unshard`` and ``reduce`` with the ranks of ``shard_group``,
+    ``replicate`` with those of ``replicate_group`` (``None`` for a group of one rank).
+
+    ``new_group`` must be entered by every rank of the world for every group, in one order;
+    each rank knows only its own groups, so the rank lists are gathered first (one
+    all-gather on the default group, at setup).
+    """
+
+    def ranks_of(group) -> tuple[int, ...] | None:
+        if group is None or dist.get_world_size(group) == 1:
+            return None
+        return tuple(dist.get_process_group_ranks(group))
+
+    mine = {"unshard": ranks_of(shard_group), "reduce": ranks_of(shard_group)}
+    mine["replicate"] = ranks_of(replicate_group)
+    result: dict[str, dist.ProcessGroup | None] = dict.fromkeys(mine)
+    if dist.get_world_size() == 1 or all(r is None for r in mine.values()):
+        return result
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    wanted = sorted({(kind, r) for theirs in everyone for kind, r in theirs.items() if r})
+    for kind, ranks in wanted:
+        group = dist.new_group(list(ranks))
+        if mine[kind] == ranks:
+            result[kind] = group
+    return result
+
+
 class Pending:
     """A collective in flight. ``wait()`` makes its result visible to the current stream/thread."""
 
-    __slots__ = ("_event", "_work", "_tensor")
+    __slots__ = ("_event", "_work", "_tensor", "_what")
 
-    def __init__(self, event=None, work=None, tensor: Tensor | tuple | None = None) -> None:
+    def __init__(
+        self, event=None, work=None, tensor: Tensor | tuple | None = None, what: str = ""
+    ) -> None:
         self._event = event
         self._work = work
         # Keeps the buffer(s) alive while gloo's worker thread may still touch them.
         self._tensor = tensor
+        self._what = what  # named in the error if the collective fails or times out
 
     def wait(self) -> None:
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
             self._event = None
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except Exception as err:
+                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err)
+                raise RuntimeError(
+                    f"DMuon collective {self._what} failed: {reason} (every rank must run "
+                    "the same DMuon steps; a rank that stopped or diverged leaves the others "
+                    "waiting here)"
+                ) from err
             self._work = None
         self._tensor = None
 
@@ -80,21 +127,21 @@ class CommStats:
 
 
 class Collectives:
-    """Broadcast/reduce over the shard and replicate groups, with streams or async work."""
+    """Broadcast/reduce over DMuon's groups (``unshard``, ``reduce``, ``replicate``: see the
+    module doc), with streams or async work. ``ranks``/``sizes`` give this rank's place in the
+    layout, keyed ``"shard"`` and ``"replicate"``."""
 
-    def __init__(
-        self,
-        shard_group: dist.ProcessGroup | None,
-        replicate_group: dist.ProcessGroup | None,
-        device: torch.device,
-    ) -> None:
-        self.groups = {"shard": shard_group, "replicate": replicate_group}
-        self.sizes = {
-            k: dist.get_world_size(g) if g is not None else 1 for k, g in self.groups.items()
-        }
-        self.ranks = {k: dist.get_rank(g) if g is not None else 0 for k, g in self.groups.items()}
+    def __init__(self, groups: dict[str, dist.ProcessGroup | None], device: torch.device) -> None:
+        self.groups = groups
+        sizes = {k: dist.get_world_size(g) if g is not None else 1 for k, g in groups.items()}
+        ranks = {k: dist.get_rank(g) if g is not None else 0 for k, g in groups.items()}
+        self.sizes = {**sizes, "shard": sizes["unshard"]}
+        self.ranks = {**ranks, "shard": ranks["unshard"]}
         self.device = device
         self.stats = CommStats()
+        #: when a list, every collective issued is appended as (group, op, phase, elements,
+        #: what): the tests compare it across ranks
+        self.log: list[tuple] | None = None
         self._use_streams = device.type == "cuda"
         if self._use_streams:
             self.streams = {
@@ -111,23 +158,41 @@ class Collectives:
     def replicate_size(self) -> int:
         return self.sizes["replicate"]
 
+    def _issued(self, group: str, op: str, phase: str, numel: int, what: str) -> str:
+        if self.log is not None:
+            self.log.append((group, op, phase, numel, what))
+        return f"{op} ({phase}, {what or 'no boundary'}, group {group!r})"
+
     def broadcast(
-        self, tensor: Tensor, src: int, phase: str, group: str = "shard", stream: str = "unshard"
+        self,
+        tensor: Tensor,
+        src: int,
+        phase: str,
+        group: str = "unshard",
+        stream: str = "unshard",
+        what: str = "",
     ) -> Pending:
         """Broadcast ``tensor`` in place from ``src`` (a rank of ``group``)."""
         pg = self.groups[group]
         self.stats.record(phase, tensor.numel() * tensor.element_size(), self.sizes[group])
         if self.sizes[group] == 1:
             return Pending()
+        what = self._issued(group, "broadcast", phase, tensor.numel(), what)
         if self._use_streams:
             return self._on_stream(
                 stream, tensor, lambda: dist.broadcast(tensor, group_src=src, group=pg)
             )
         work = dist.broadcast(tensor, group_src=src, group=pg, async_op=True)
-        return Pending(work=work, tensor=tensor)
+        return Pending(work=work, tensor=tensor, what=what)
 
     def reduce_sum(
-        self, tensor: Tensor, dst: int, phase: str, trailer_numel: int = 0, group: str = "shard"
+        self,
+        tensor: Tensor,
+        dst: int,
+        phase: str,
+        trailer_numel: int = 0,
+        group: str = "reduce",
+        what: str = "",
     ) -> Pending:
         """Sum ``tensor`` over ``group`` into its rank ``dst`` (gloo has no AVG: callers scale).
 
@@ -143,6 +208,7 @@ class Collectives:
             self.stats.record(phase + "_flags", trailer_numel * size, n, ops=0)
         if n == 1:
             return Pending()
+        what = self._issued(group, "reduce", phase, tensor.numel(), what)
         if self._use_streams:
             return self._on_stream(
                 "reduce",
@@ -150,9 +216,11 @@ class Collectives:
                 lambda: dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=pg),
             )
         work = dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=pg, async_op=True)
-        return Pending(work=work, tensor=tensor)
+        return Pending(work=work, tensor=tensor, what=what)
 
-    def all_gather_slots(self, buffer: Tensor, phase: str, group: str = "shard") -> Pending:
+    def all_gather_slots(
+        self, buffer: Tensor, phase: str, group: str = "unshard", what: str = ""
+    ) -> Pending:
         """All-gather in place: ``buffer`` is one equal slot per rank of ``group``, in rank
         order; this rank's slot goes to every rank's copy."""
         pg, n = self.groups[group], self.sizes[group]
@@ -160,15 +228,22 @@ class Collectives:
         if n == 1:
             return Pending()
         slot = buffer.view(n, -1)[self.ranks[group]]
+        what = self._issued(group, "all_gather", phase, buffer.numel(), what)
         if self._use_streams:
             return self._on_stream(
                 "unshard", buffer, lambda: dist.all_gather_into_tensor(buffer, slot, group=pg)
             )
         work = dist.all_gather_into_tensor(buffer, slot, group=pg, async_op=True)
-        return Pending(work=work, tensor=buffer)
+        return Pending(work=work, tensor=buffer, what=what)
 
     def reduce_scatter_slots(
-        self, buffer: Tensor, out: Tensor, phase: str, trailer_numel: int = 0, group: str = "shard"
+        self,
+        buffer: Tensor,
+        out: Tensor,
+        phase: str,
+        trailer_numel: int = 0,
+        group: str = "reduce",
+        what: str = "",
     ) -> Pending:
         """Sum ``buffer`` (one equal slot per rank of ``group``, in rank order) over ``group``;
         this rank's slot of the sum lands in ``out``. ``trailer_numel``: bookkeeping elements
@@ -183,6 +258,7 @@ class Collectives:
             if out.data_ptr() != buffer.data_ptr():
                 out.copy_(buffer)
             return Pending()
+        what = self._issued(group, "reduce_scatter", phase, buffer.numel(), what)
         if self._use_streams:
             pending = self._on_stream(
                 "reduce",
@@ -194,7 +270,7 @@ class Collectives:
         work = dist.reduce_scatter_tensor(
             out, buffer, op=dist.ReduceOp.SUM, group=pg, async_op=True
         )
-        return Pending(work=work, tensor=(buffer, out))
+        return Pending(work=work, tensor=(buffer, out), what=what)
 
     def compact(self, tensor: Tensor, after: list[Pending]) -> tuple[Tensor, Pending]:
         """A copy of ``tensor`` (a slice of a larger reduce buffer) made once the reduces
@@ -213,10 +289,25 @@ class Collectives:
         return copy, Pending(event=event)
 
     def all_reduce(self, tensor: Tensor, op=dist.ReduceOp.SUM) -> None:
-        """Blocking all-reduce over the whole data-parallel world (shard, then replicate)."""
-        for group in ("shard", "replicate"):
+        """Blocking all-reduce over the whole data-parallel world (shard, then replicate).
+        Outside backward only: it runs on the ``reduce`` group, after the step's reduces."""
+        for group in ("reduce", "replicate"):
             if self.sizes[group] > 1:
+                self._issued(group, "all_reduce", "all_reduce", tensor.numel(), "")
                 dist.all_reduce(tensor, op=op, group=self.groups[group])
+
+    def all_gather_objects(self, obj) -> list:
+        """Every data-parallel rank's ``obj`` (shard group, then replicate group), in slot
+        order (replicate index major). Blocking; outside any step's collectives."""
+        gathered = [obj]
+        for group in ("reduce", "replicate"):
+            n = self.sizes[group]
+            if n > 1:
+                self._issued(group, "all_gather_object", "schedule", 0, "")
+                out: list = [None] * n
+                dist.all_gather_object(out, gathered, group=self.groups[group])
+                gathered = [item for part in out for item in part]
+        return gathered
 
     def _on_stream(self, name: str, tensor: Tensor, issue: Callable[[], object]) -> Pending:
         # The collective must see everything the compute stream wrote into ``tensor``. Issued

@@ -143,12 +143,28 @@ class OwnerBucket:
 
 
 class PendingReduce:
-    """What the global owner must do with a reduced segment once it has arrived."""
+    """What the global owner must do with a reduced segment once it has arrived.
 
-    __slots__ = ("bucket", "members", "segment", "handles")
+    ``rest``: without CUDA streams, the second stage (replicas) and the owner's copy wait for
+    the first stage on the host, so they are left for :meth:`complete` at the end of
+    backward: a rank blocked inside backward on its own reduce could wait on a peer that is
+    itself waiting for this rank's next weight broadcast.
+    """
 
-    def __init__(self, bucket, members, segment, handles) -> None:
+    __slots__ = ("bucket", "members", "segment", "handles", "rest")
+
+    def __init__(self, bucket, members, segment, handles, rest=None) -> None:
         self.bucket, self.members, self.segment, self.handles = bucket, members, segment, handles
+        self.rest = rest
+
+    def complete(self) -> PendingReduce:
+        """Issue what was left for later (in the order the reduces were issued: every rank
+        does the same); returns the reduce to wait for."""
+        if self.rest is None:
+            return self
+        for handle in self.handles:
+            handle.wait()
+        return self.rest()
 
 
 class BoundaryGroup:
@@ -189,14 +205,21 @@ class BoundaryGroup:
         self._version_guard = None  # the buffers' version counters, restored after a refill
         self._replicate_pending: list[Pending] = []
         self.hook_handles: list = []  # forward hooks, on ``module`` or a wrapper of it
-        # Per-step bookkeeping, reset at the end of every backward.
-        self.forward_count = 0
+        #: between this boundary's forward pre- and post-hook (its buffer is in use)
+        self.active = False
+        #: Z2: unsharded by a training forward since the last backward, kept for backward
+        self.held_for_backward = False
+        #: indices of the parameters whose gradient arrived in the current backward
         self.grads_ready: set[int] = set()
-        self.backward_done = False
 
     @property
     def gathered(self) -> bool:
         return self.layout == "gather"
+
+    @property
+    def name(self) -> str:
+        """How messages name this boundary."""
+        return f"boundary {self.path or '<root>'!r}"
 
     def lazy_init(self, device: torch.device) -> None:
         dtypes = {bucket.resolve_dtypes() for bucket in self.buckets}
@@ -238,10 +261,18 @@ class BoundaryGroup:
             buffer.untyped_storage().resize_(0)
 
     # ---------------------------------------------------------------- weights in
-    def unshard(self, comm: Collectives, phase: str) -> None:
-        """Issue the collectives that make every full-size parameter current (async)."""
+    def unshard(self, comm: Collectives, phase: str, refresh: bool = False) -> None:
+        """Issue the collectives that make every full-size parameter current (async).
+
+        Without ``refresh`` nothing happens unless the storage is freed. With it the
+        collectives are issued whatever the state (the schedule decided that this rank joins
+        them; its copy is current already, or unused): an earlier one in flight is waited
+        for first, and the caller makes sure nothing reads the buffer meanwhile.
+        """
         if self.unshard_state is not UnshardState.FREED:
-            return
+            if not refresh:
+                return
+            self.wait_unshard()
         self.wait_replicate()  # the masters must hold the last step's update first
         self._allocate()
         # The unsharded params alias the buffers and may be saved for backward: refilling them
@@ -253,9 +284,11 @@ class BoundaryGroup:
             if bucket.holds_weight:
                 bucket.fill_from_owned()
             if not self.gathered:
-                self._pending.append(comm.broadcast(bucket.buffer, bucket.owner_shard, phase))
+                self._pending.append(
+                    comm.broadcast(bucket.buffer, bucket.owner_shard, phase, what=self.name)
+                )
         if self.gathered:
-            self._pending.append(comm.all_gather_slots(self._buffers[0], phase))
+            self._pending.append(comm.all_gather_slots(self._buffers[0], phase, what=self.name))
         self.unshard_state = UnshardState.PENDING
 
     def wait_unshard(self) -> None:
@@ -293,7 +326,7 @@ class BoundaryGroup:
         for bucket in self.buckets:
             flat = bucket.pack_grads()
             stage1 = comm.reduce_sum(
-                flat, bucket.owner_shard, "reduce", len(bucket.params), group="shard"
+                flat, bucket.owner_shard, "reduce", len(bucket.params), what=self.name
             )
             issued.append(self._stage2(comm, bucket, flat, stage1, flat))
         return issued
@@ -319,45 +352,58 @@ class BoundaryGroup:
         # One rank: nothing to scatter, the packed buffer is the sum.
         out = flat if self.shard_size == 1 else torch.empty_like(flat[:slot])
         stage1 = comm.reduce_scatter_slots(
-            flat, out, "reduce", sum(len(b.params) for b in self.buckets)
+            flat, out, "reduce", sum(len(b.params) for b in self.buckets), what=self.name
         )
         if mine is None:
             return [PendingReduce(None, None, None, [stage1])]
         return [self._stage2(comm, mine, out[: mine.reduce_numel], stage1, out)]
 
-    @staticmethod
     def _stage2(
-        comm: Collectives, bucket: OwnerBucket, flat: torch.Tensor, stage1, base: torch.Tensor
+        self,
+        comm: Collectives,
+        bucket: OwnerBucket,
+        flat: torch.Tensor,
+        stage1,
+        base: torch.Tensor,
     ) -> PendingReduce:
         """After stage 1 left ``bucket``'s column sum in ``flat`` (a slice of ``base``, on the
         column's ranks): with replicas, each segment to its global owner; what the owner
         unpacks later. The owned gradients become ``owned.grad`` as views, so when they are
         only part of ``base`` (other replicas' segments, a gather slot's padding) they are
         copied out first: otherwise all of ``base`` would stay allocated until the gradients
-        are freed, for every boundary at once by the end of backward."""
-        handles = [stage1]
-        if comm.replicate_size > 1 and bucket.holds_weight:
-            if comm.device.type != "cuda":
-                stage1.wait()  # gloo: stage 2 reads stage 1's result (CUDA: same stream)
-            for replica, members, start, size in bucket.segments:
-                handles.append(
-                    comm.reduce_sum(
-                        flat[start : start + size],
-                        replica,
-                        "reduce_replicate",
-                        len(members),
-                        group="replicate",
+        are freed, for every boundary at once by the end of backward.
+
+        On CUDA stage 2 and the copy queue behind stage 1 on the reduce stream; without
+        streams they need stage 1 done on the host, so they wait for
+        :meth:`PendingReduce.complete` (see there why not now)."""
+
+        def rest() -> PendingReduce:
+            handles = [stage1]
+            if comm.replicate_size > 1 and bucket.holds_weight:
+                for replica, members, start, size in bucket.segments:
+                    handles.append(
+                        comm.reduce_sum(
+                            flat[start : start + size],
+                            replica,
+                            "reduce_replicate",
+                            len(members),
+                            group="replicate",
+                            what=self.name,
+                        )
                     )
-                )
-        owned = bucket.owned_segment()
-        if owned is None:
-            return PendingReduce(bucket, None, None, handles)
-        members, (start, size) = owned
-        segment = flat[start : start + size]
-        if size < base.numel():
-            segment, done = comm.compact(segment, handles)
-            handles = [*handles, done]
-        return PendingReduce(bucket, members, segment, handles)
+            owned = bucket.owned_segment()
+            if owned is None:
+                return PendingReduce(bucket, None, None, handles)
+            members, (start, size) = owned
+            segment = flat[start : start + size]
+            if size < base.numel():
+                segment, done = comm.compact(segment, handles)
+                handles = [*handles, done]
+            return PendingReduce(bucket, members, segment, handles)
+
+        if comm.device.type == "cuda":
+            return rest()
+        return PendingReduce(bucket, None, None, [stage1], rest=rest)
 
     # ---------------------------------------------------------------- updates back to replicas
     def broadcast_updates(self, comm: Collectives) -> None:
@@ -374,6 +420,7 @@ class BoundaryGroup:
                             "replicate_broadcast",
                             group="replicate",
                             stream="replicate",
+                            what=self.name,
                         )
                     )
 
@@ -383,6 +430,10 @@ class BoundaryGroup:
         self._replicate_pending.clear()
 
     def reset_step(self) -> None:
-        self.forward_count = 0
         self.grads_ready.clear()
-        self.backward_done = False
+        self.held_for_backward = False
+
+    @property
+    def grads_final(self) -> bool:
+        """Every trainable parameter's gradient arrived in this backward."""
+        return len(self.grads_ready) == self.num_trainable
