@@ -38,9 +38,9 @@ def _fsdp_cases():
 
 def _ddp_cases():
     return [
-        with_(base, ddp=True, reshard_after_forward=z3, small_param_numel=0)
+        with_(base, ddp=True, reshard_after_forward=z3, collectives=collectives)
         for base in (BRANCH, MOE)
-        for z3 in (True, False)
+        for z3, collectives in ((True, "broadcast"), (False, "broadcast"), (True, "gather"))
     ]
 
 
