@@ -19,7 +19,7 @@ from .api import (  # noqa: E402
 )
 from .clip import clip_grad_norm_  # noqa: E402
 from .muon import Muon  # noqa: E402
-from .ns import NS_COEFFICIENT_SETS  # noqa: E402
+from .newton_schulz import NS_COEFFICIENT_SETS  # noqa: E402
 from .state_dict import (  # noqa: E402
     get_model_state_dict,
     get_optimizer_state_dict,

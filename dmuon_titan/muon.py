@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
-from . import fused, ns
+from . import fused, newton_schulz, update
+from .plan import cost
 from .runtime.owned_param import is_dedicated
 from .runtime.state import STATE_ATTR, DMuonState
 from .timing import PhaseTimer
@@ -43,7 +44,7 @@ class Muon(torch.optim.Optimizer):
         lr: Muon learning rate (scaled per matrix by ``adjust_lr_fn``).
         momentum, nesterov, eps, weight_decay, adjust_lr_fn: as ``torch.optim.Muon``.
         ns_coefficients: one (a, b, c) triple, a per-iteration list of triples (iteration i
-            uses entry ``min(i, len-1)``), or a name from ``ns.NS_COEFFICIENT_SETS``.
+            uses entry ``min(i, len-1)``), or a name from ``newton_schulz.NS_COEFFICIENT_SETS``.
         ns_steps: Newton–Schulz iterations.
         ns_dtype: dtype the NS iterations run in (``torch.optim.Muon`` uses bfloat16).
         adamw_lr: AdamW learning rate; defaults to ``lr`` only with
@@ -54,11 +55,11 @@ class Muon(torch.optim.Optimizer):
             Newton–Schulz, in chunks of at most this many elements (small matrices are far
             from the matmul rate one at a time); 0 runs one matrix at a time.
         ns_algorithm: ``"plain"`` (``torch.optim.Muon``'s iteration), ``"gram"`` (the same
-            polynomial on the Gram matrix, :func:`dmuon_titan.ns.gram_newton_schulz`: fewer
+            polynomial on the Gram matrix, :func:`dmuon_titan.newton_schulz.gram_newton_schulz`: fewer
             FLOPs for wide matrices, equal in exact arithmetic) or ``"auto"`` (per shape, the
             one with fewer FLOPs). ``"gram"``/``"auto"`` run their symmetric products by the
             Triton kernel of :mod:`dmuon_titan.symmetric` on CUDA (bf16/fp16); ``"plain"``
-            is always torch.optim.Muon's operations. See ``ns.orthogonalize``.
+            is always torch.optim.Muon's operations. See ``newton_schulz.orthogonalize``.
     """
 
     def __init__(
@@ -67,7 +68,9 @@ class Muon(torch.optim.Optimizer):
         lr: float,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients: ns.Coefficients | Sequence[ns.Coefficients] | str = ns.JORDAN_COEFFICIENTS,
+        ns_coefficients: newton_schulz.Coefficients
+        | Sequence[newton_schulz.Coefficients]
+        | str = newton_schulz.JORDAN_COEFFICIENTS,
         ns_steps: int = 5,
         eps: float = 1e-7,
         weight_decay: float = 0.1,
@@ -105,7 +108,7 @@ class Muon(torch.optim.Optimizer):
             ns_batch_numel=ns_batch_numel,
             ns_algorithm=ns_algorithm,
         )
-        ns.normalize_coefficients(ns_coefficients)  # validates; raises naming the value
+        newton_schulz.normalize_coefficients(ns_coefficients)  # validates; raises naming the value
         #: Not a param-group entry (it stays out of optimizer state dicts): same math per
         #: matrix, though batched and single matmuls round differently in bf16, so results are
         #: not bitwise identical across batch sizes (nor, hence, across owner counts).
@@ -234,14 +237,14 @@ class Muon(torch.optim.Optimizer):
         return param, ortho
 
     def _muon_step(self, group: dict[str, Any]) -> None:
-        coefficients = ns.normalize_coefficients(group["ns_coefficients"])
+        coefficients = newton_schulz.normalize_coefficients(group["ns_coefficients"])
         stepped = self._stepped_ids()
         todo = [p for p in group["params"] if p.grad is not None and id(p) in stepped]
         for chunk in ns_chunks(todo, self.ns_batch_numel, self.ns_unbatched_numel):
             orthos = self._orthogonalize(chunk, group, coefficients)
             for p, ortho in zip(chunk, orthos, strict=True):
                 target, ortho = self._scatter(p, ortho)
-                ns.apply_update(
+                update.apply_update(
                     target,
                     ortho,
                     lr=group["lr"],
@@ -268,7 +271,7 @@ class Muon(torch.optim.Optimizer):
         for i, p in enumerate(chunk):
             self._write_direction(p, group, batch if single else batch[i])
         self.timer.start("ns")
-        orthos = ns.orthogonalize(batch, *args, overwrite_input=True)
+        orthos = newton_schulz.orthogonalize(batch, *args, overwrite_input=True)
         self.timer.stop("ns")
         return [orthos] if single else orthos.unbind(0)
 
@@ -278,7 +281,7 @@ class Muon(torch.optim.Optimizer):
         a float16 ``out`` the direction is normalized first, in full precision."""
         if out.dtype == torch.float16 and p.grad.dtype != torch.float16:
             # float16's range: normalize in full precision first.
-            ns.normalize_into(self._direction(p, group), out, group["eps"])
+            newton_schulz.normalize_into(self._direction(p, group), out, group["eps"])
             return
         fused.momentum_direction_into(
             p.grad, self._momentum_buffer(p), out, group["momentum"], group["nesterov"]
@@ -291,7 +294,7 @@ class Muon(torch.optim.Optimizer):
         return state["momentum_buffer"]
 
     def _direction(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        return ns.momentum_direction(
+        return update.momentum_direction(
             p.grad, self._momentum_buffer(p), group["momentum"], group["nesterov"]
         )
 
@@ -375,8 +378,8 @@ def _validate_hyperparameters(**kw: Any) -> None:
     for name in ("eps", "adamw_eps"):
         if not isinstance(kw[name], (int, float)) or kw[name] <= 0:
             raise bad(name, "must be a number > 0")
-    if kw["adjust_lr_fn"] not in ns.ADJUST_LR_FNS:
-        raise bad("adjust_lr_fn", f"must be one of {list(ns.ADJUST_LR_FNS)}")
+    if kw["adjust_lr_fn"] not in update.ADJUST_LR_FNS:
+        raise bad("adjust_lr_fn", f"must be one of {list(update.ADJUST_LR_FNS)}")
     if not isinstance(kw["ns_dtype"], torch.dtype) or not kw["ns_dtype"].is_floating_point:
         raise bad("ns_dtype", "must be a floating-point torch.dtype")
     betas = kw["adamw_betas"]
@@ -385,8 +388,8 @@ def _validate_hyperparameters(**kw: Any) -> None:
     numel = kw["ns_batch_numel"]
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise bad("ns_batch_numel", "must be an int >= 0")
-    if kw["ns_algorithm"] not in ns.NS_ALGORITHMS:
-        raise bad("ns_algorithm", f"must be one of {list(ns.NS_ALGORITHMS)}")
+    if kw["ns_algorithm"] not in cost.NS_ALGORITHMS:
+        raise bad("ns_algorithm", f"must be one of {list(cost.NS_ALGORITHMS)}")
 
 
 def ns_chunks(

@@ -1,8 +1,11 @@
-"""Symmetric matrix products on the GPU: compute the upper tiles only, store each twice.
+"""Symmetric matrix products: only the upper blocks computed, the lower ones mirrored.
 
 Gram Newton–Schulz spends most of its FLOPs on products known to be symmetric (X·Xᵀ, and
-products of commuting symmetric matrices). cuBLAS has no half-precision SYRK, and cutting the
-product into row panels of ordinary matmuls (``ns.symmetric_matmul``) saves only
+products of commuting symmetric matrices). :func:`symmetric_matmul` is the entry point: the
+Triton kernel below where it runs, else row panels of ordinary matmuls.
+
+cuBLAS has no half-precision SYRK, and cutting the
+product into row panels of ordinary matmuls (:func:`_symmetric_matmul_panels`) saves only
 (panels − 1)/(2·panels) of the FLOPs, in smaller matmuls that fill the GPU worse, and then
 copies the lower blocks from their transposed mirror images. The Triton kernel here launches
 one program per upper-triangular output tile (i ≤ j): it accumulates A[i]·B[:, j] in fp32,
@@ -58,6 +61,68 @@ def supported(a: Tensor, b: Tensor) -> bool:
         and a.size(-1) == b.size(-2)
         and runs_for(a.size(-2), a.size(-1), a.dtype, a.device)
     )
+
+
+def symmetric_matmul(
+    a: Tensor,
+    b: Tensor,
+    panels: int = 1,
+    addend: Tensor | None = None,
+    beta: float = 1.0,
+    alpha: float = 1.0,
+    diagonal: float = 0.0,
+    kernel: bool = False,
+) -> Tensor:
+    """``beta·addend + alpha·(a @ b) + diagonal·I`` for a product known to be symmetric
+    (XXᵀ, or two commuting symmetric matrices), computing only its upper block triangle.
+
+    ``kernel``: by :func:`symmetric_mm` (half the FLOPs, one pass) where it runs
+    (:func:`supported`); otherwise as follows.
+
+    The m rows are cut into ``panels`` row panels; panel i multiplies only from its diagonal
+    block rightwards (m·(m − i·h) outputs instead of m·m), and the blocks below the diagonal
+    are copied from their mirror images: (panels + 1) / (2·panels) of the matmul FLOPs, at the
+    price of smaller matmuls and ``panels − 1`` block copies. ``panels`` ≤ 1, or one that does
+    not divide m, computes the whole product. ``addend`` must be symmetric too. 2-D or 3-D.
+    """
+    if kernel and supported(a, b):
+        return symmetric_mm(a, b, addend=addend, alpha=alpha, beta=beta, diagonal=diagonal)
+    out = _symmetric_matmul_panels(a, b, panels, addend, beta, alpha)
+    if diagonal:
+        out.diagonal(dim1=-2, dim2=-1).add_(diagonal)
+    return out
+
+
+def _symmetric_matmul_panels(
+    a: Tensor, b: Tensor, panels: int, addend: Tensor | None, beta: float, alpha: float
+) -> Tensor:
+    m = a.size(-2)
+    fn = torch.baddbmm if a.ndim == 3 else torch.addmm
+    if panels <= 1 or m % panels or m < 2 * panels:
+        if addend is None:
+            return a @ b if alpha == 1.0 else torch.mul(a @ b, alpha)
+        return fn(addend, a, b, beta=beta, alpha=alpha)
+    out = a.new_empty((*a.shape[:-2], m, m))
+    h = m // panels
+    for i in range(panels):
+        rows, cols = slice(i * h, (i + 1) * h), slice(i * h, m)
+        target = out[..., rows, cols]
+        if addend is None:
+            torch.matmul(a[..., rows, :], b[..., :, cols], out=target)
+            if alpha != 1.0:
+                target.mul_(alpha)
+        else:
+            fn(
+                addend[..., rows, cols],
+                a[..., rows, :],
+                b[..., :, cols],
+                beta=beta,
+                alpha=alpha,
+                out=target,
+            )
+    for i in range(1, panels):  # row panel i, left of its diagonal block: the mirror image
+        out[..., i * h : (i + 1) * h, : i * h].copy_(out[..., : i * h, i * h : (i + 1) * h].mT)
+    return out
 
 
 def symmetric_mm(

@@ -5,7 +5,7 @@ For each shape and method (``plain``: torch.optim.Muon's iteration; ``gram``: Gr
 restart; ``plain_pK``/``gram_pK``: the same with their symmetric products in K row panels): 5 bf16 NS
 iterations (Jordan coefficients) on one matrix, and batched as DMuon's optimizer batches
 same-shape matrices (``ns_batch_numel`` elements per call). Reported: ms per matrix and the
-*plain-equivalent* rate, plain NS FLOPs (``ns.ns_flops``, 2 per FMA) / time, as a share of a
+*plain-equivalent* rate, plain NS FLOPs (``cost.ns_flops``, 2 per FMA) / time, as a share of a
 plain ``N×N @ N×N`` bf16 matmul's rate measured in the same process — above 100 % means the
 method does fewer FLOPs than plain NS. CUDA events, warm-up, median.
 
@@ -21,8 +21,9 @@ from functools import partial
 
 import torch
 
-from dmuon_titan import ns
+from dmuon_titan import newton_schulz
 from dmuon_titan.muon import DEFAULT_NS_BATCH_NUMEL
+from dmuon_titan.plan import cost
 from dmuon_titan.timing import median_milliseconds as timed
 
 DEFAULT_SHAPES = "4096x4096,1024x4096,14336x4096,4096x14336,1024x1024,2816x1024"
@@ -51,7 +52,7 @@ def main() -> None:
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     matmul_tflops = 2 * n**3 / timed(partial(torch.mm, a, b), device, args.warmup, args.reps) / 1e9
     a = b = None
-    coefficients = (ns.JORDAN_COEFFICIENTS,)
+    coefficients = (newton_schulz.JORDAN_COEFFICIENTS,)
     if args.profile:
         _profile(args, coefficients, device)
         return
@@ -61,7 +62,7 @@ def main() -> None:
         shape = tuple(int(v) for v in text.lower().split("x"))
         if not cuda:  # CPU smoke run: same code, small matrices
             shape = tuple(max(8, v // 32) for v in shape)
-        flops = ns.ns_flops(shape, 5)
+        flops = cost.ns_flops(shape, 5)
         one = torch.randn(shape, device=device)
         batch_numel = args.batch_numel if cuda else args.batch_numel // 32**2
         k = max(1, batch_numel // (shape[0] * shape[1]))
@@ -127,7 +128,10 @@ def _method(name: str, coefficients):
     """A one-argument NS function for a method name: plain or gram, optionally suffixed _pK
     (symmetric products in K row panels) or _k (by the Triton kernel of
     dmuon_titan.symmetric), then optionally _fp16 (the NS dtype; bf16 otherwise)."""
-    functions = {"plain": ns.zeropower_via_newtonschulz, "gram": ns.gram_newton_schulz}
+    functions = {
+        "plain": newton_schulz.zeropower_via_newtonschulz,
+        "gram": newton_schulz.gram_newton_schulz,
+    }
     dtype = torch.float16 if name.endswith("_fp16") else torch.bfloat16
     algorithm, _, variant = name.removesuffix("_fp16").partition("_")
     kernel = variant == "k"

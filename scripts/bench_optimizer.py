@@ -151,7 +151,7 @@ def build(
 
 
 def run_ns_floor(shape, device, warmup, steps) -> dict:
-    from dmuon_titan.ns import JORDAN_COEFFICIENTS, zeropower_via_newtonschulz
+    from dmuon_titan.newton_schulz import JORDAN_COEFFICIENTS, zeropower_via_newtonschulz
     from dmuon_titan.plan import ParamSpec, plan_partition
 
     with torch.device("meta"):

@@ -3,7 +3,7 @@
 
 For each case (``BxMxK``: a batch of B products of an M×K matrix with an M×K matrix's
 transpose, X·Xᵀ; ``sq`` suffix: the product of two symmetric M×M matrices, K = M) it times the
-full cuBLAS product, ``ns.symmetric_matmul`` in 4 row panels, and the kernel of
+full cuBLAS product, ``symmetric.symmetric_matmul`` in 4 row panels, and the kernel of
 ``dmuon_titan.symmetric`` for each launch configuration in ``--configs``, and checks the
 kernel's result against cuBLAS. Rates are *full-product-equivalent* (2·M²·K FLOPs per product
 / time) as a share of an N×N bf16 matmul measured in the same process: the kernel does half
@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from dmuon_titan import ns, symmetric
+from dmuon_titan import symmetric
 from dmuon_titan.timing import median_milliseconds as timed
 
 DEFAULT_CASES = "1x4096x14336,8x4096x14336,1x4096sq,8x4096sq,32x1024x4096,32x1024sq"
@@ -63,7 +63,7 @@ def main() -> None:
         reference = torch.matmul(left, right)
         methods = {
             "cublas": partial(torch.matmul, left, right),
-            "panels4": partial(ns.symmetric_matmul, left, right, 4),
+            "panels4": partial(symmetric.symmetric_matmul, left, right, 4),
         }
         for config in args.configs.split(","):
             tile, tile_k, warps, stages = (int(v) for v in config.split("/"))

@@ -19,7 +19,8 @@ import json
 
 import torch
 
-from dmuon_titan import ns
+from dmuon_titan import newton_schulz
+from dmuon_titan.plan import cost
 
 SPECTRA = ("gauss", "powerlaw1", "powerlaw2", "lowrank16")
 #: name -> (algorithm, dtype, Gram restarts, symmetric panels or "k": the Triton kernel)
@@ -27,10 +28,10 @@ METHODS = {
     "plain_bf16": ("plain", torch.bfloat16, (), 1),
     "plain_fp16": ("plain", torch.float16, (), 1),
     "plain_k_bf16": ("plain", torch.bfloat16, (), "k"),
-    "gram_bf16": ("gram", torch.bfloat16, ns.DEFAULT_GRAM_RESTARTS, 1),
-    "gram_k_bf16": ("gram", torch.bfloat16, ns.DEFAULT_GRAM_RESTARTS, "k"),
-    "gram_p4_bf16": ("gram", torch.bfloat16, ns.DEFAULT_GRAM_RESTARTS, 4),
-    "gram_fp16": ("gram", torch.float16, ns.DEFAULT_GRAM_RESTARTS, 1),
+    "gram_bf16": ("gram", torch.bfloat16, cost.DEFAULT_GRAM_RESTARTS, 1),
+    "gram_k_bf16": ("gram", torch.bfloat16, cost.DEFAULT_GRAM_RESTARTS, "k"),
+    "gram_p4_bf16": ("gram", torch.bfloat16, cost.DEFAULT_GRAM_RESTARTS, 4),
+    "gram_fp16": ("gram", torch.float16, cost.DEFAULT_GRAM_RESTARTS, 1),
     "gram_norestart_bf16": ("gram", torch.bfloat16, (), 1),
 }
 
@@ -62,9 +63,11 @@ def run(method: str, g: torch.Tensor, coefficients) -> torch.Tensor:
     algorithm, dtype, restarts, panels = METHODS[method]
     kernel = {"symmetric_kernel": panels == "k"}
     if algorithm == "plain":
-        return ns.zeropower_via_newtonschulz(g, coefficients, 5, 1e-7, dtype, **kernel)
+        return newton_schulz.zeropower_via_newtonschulz(g, coefficients, 5, 1e-7, dtype, **kernel)
     panels = 1 if panels == "k" else panels
-    return ns.gram_newton_schulz(g, coefficients, 5, 1e-7, dtype, restarts, panels, **kernel)
+    return newton_schulz.gram_newton_schulz(
+        g, coefficients, 5, 1e-7, dtype, restarts, panels, **kernel
+    )
 
 
 def main() -> None:
@@ -82,7 +85,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    coefficients = (ns.JORDAN_COEFFICIENTS,)
+    coefficients = (newton_schulz.JORDAN_COEFFICIENTS,)
     methods = args.methods.split(",")
     for m in methods:
         if m not in METHODS:
@@ -92,7 +95,9 @@ def main() -> None:
         shape = tuple(int(v) for v in text.lower().split("x"))
         for spectrum in args.spectra.split(","):
             g = make_matrix(shape, spectrum, device) * args.scale
-            reference = ns.zeropower_via_newtonschulz(g, coefficients, 5, 1e-7, torch.float64)
+            reference = newton_schulz.zeropower_via_newtonschulz(
+                g, coefficients, 5, 1e-7, torch.float64
+            )
             errors = {}
             for m in methods:
                 out = run(m, g, coefficients).double()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from dmuon_titan.ns import NS_ALGORITHMS, orthogonalize_flops
+from dmuon_titan.plan.cost import NS_ALGORITHMS, orthogonalize_flops
 from dmuon_titan.plan import ParamSpec, plan_partition
 
 MODELS = {

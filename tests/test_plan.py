@@ -2,8 +2,8 @@
 
 import pytest
 
-from dmuon_titan.ns import gram_ns_flops, ns_flops, orthogonalize_flops
 from dmuon_titan.plan import ParamSpec, plan_partition
+from dmuon_titan.plan.cost import gram_ns_flops, ns_flops, orthogonalize_flops
 
 LLAMA3_8B = {
     "attention.wq": (4096, 4096),

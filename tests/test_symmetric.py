@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from dmuon_titan import fused, ns, symmetric
+from dmuon_titan import fused, newton_schulz, symmetric
+from dmuon_titan.plan import cost
 
 cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and fused.enabled()), reason="needs CUDA and Triton"
@@ -19,6 +20,7 @@ cuda = pytest.mark.skipif(
 _INTERPRETED = r"""
 import torch
 from dmuon_titan import symmetric
+from dmuon_titan.plan import cost
 torch.manual_seed(0)
 def check(got, expected):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
@@ -60,7 +62,7 @@ def test_cpu_takes_the_fallback():
     x = torch.randn(256, 128, dtype=torch.bfloat16)
     assert not symmetric.supported(x, x.mT)
     s = (x @ x.mT).float()
-    got = ns.symmetric_matmul(s, s, addend=s, beta=2.0, alpha=0.5, diagonal=1.5, kernel=True)
+    got = symmetric.symmetric_matmul(s, s, addend=s, beta=2.0, alpha=0.5, diagonal=1.5, kernel=True)
     torch.testing.assert_close(
         got, torch.addmm(s, s, s, beta=2.0, alpha=0.5) + 1.5 * torch.eye(256)
     )
@@ -110,9 +112,11 @@ def test_ns_with_the_kernel_is_as_accurate_as_with_cublas(algorithm, shape, monk
     """NS through the kernel (what "gram"/"auto" run on a GPU) vs float64 NS: no less
     accurate than the same algorithm on cuBLAS in bf16 (kernel off)."""
     torch.manual_seed(0)
-    coefficients = (ns.JORDAN_COEFFICIENTS,)
+    coefficients = (newton_schulz.JORDAN_COEFFICIENTS,)
     g = torch.randn(3, *shape, device="cuda")
-    exact = ns.zeropower_via_newtonschulz(g.double(), coefficients, 5, 1e-7, torch.float64)
+    exact = newton_schulz.zeropower_via_newtonschulz(
+        g.double(), coefficients, 5, 1e-7, torch.float64
+    )
     assert symmetric.runs_for(min(shape), max(shape), torch.bfloat16, g.device)
     launches = []
 
@@ -122,13 +126,13 @@ def test_ns_with_the_kernel_is_as_accurate_as_with_cublas(algorithm, shape, monk
 
     kernel = symmetric.symmetric_mm
     monkeypatch.setattr(symmetric, "symmetric_mm", counted)
-    with_kernel = ns.orthogonalize(g, coefficients, 5, 1e-7, torch.bfloat16, algorithm)
+    with_kernel = newton_schulz.orthogonalize(g, coefficients, 5, 1e-7, torch.bfloat16, algorithm)
     # Every symmetric product ran by the kernel: plain NS has 2 per iteration, Gram NS 14
     # square ones (5 iterations, a restart after the 2nd) and 2 X·Xᵀ.
-    plain = ns.ns_algorithm_for(shape, algorithm) == "plain"
+    plain = cost.ns_algorithm_for(shape, algorithm) == "plain"
     assert len(launches) == (10 if plain else 16), launches
     monkeypatch.setenv("DMUON_FUSED", "0")
-    without = ns.orthogonalize(g, coefficients, 5, 1e-7, torch.bfloat16, algorithm)
+    without = newton_schulz.orthogonalize(g, coefficients, 5, 1e-7, torch.bfloat16, algorithm)
     assert len(launches) == (10 if plain else 16)  # none more with the kernels off
 
     def error(x):

@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..ns import check_ns_algorithm, orthogonalize_flops
+from .cost import check_ns_algorithm, orthogonalize_flops
 
 #: Matrices with at most this many elements are "small": all small matrices of one boundary
 #: go to a single owner so the boundary issues one collective for them instead of many.
@@ -42,7 +42,7 @@ class Plan:
     specs: tuple[ParamSpec, ...]
     owners: tuple[int, ...]
     costs: tuple[int, ...]
-    #: the NS algorithm the costs are FLOPs of (see ``dmuon_titan.ns.NS_ALGORITHMS``)
+    #: the NS algorithm the costs are FLOPs of (see ``dmuon_titan.plan.cost.NS_ALGORITHMS``)
     ns_algorithm: str = "plain"
 
     def load_per_rank(self) -> list[int]:
@@ -86,7 +86,7 @@ def plan_partition(
     """Assign an owner to every spec: longest-processing-time-first over NS cost.
 
     - Cost: FLOPs of Newton–Schulz by ``ns_algorithm`` (``"auto"`` resolves per shape, as the
-      optimizer will), see :func:`dmuon_titan.ns.orthogonalize_flops`.
+      optimizer will), see :func:`dmuon_titan.plan.cost.orthogonalize_flops`.
     - Units: every matrix above ``small_param_numel`` is its own unit; the small matrices of one
       boundary form one unit (one owner, one collective).
     - Units are placed by decreasing cost (ties: first appearance) on the least-loaded rank,

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from ..muon import DEFAULT_NS_BATCH_NUMEL
-from ..ns import ADJUST_LR_FNS, NS_ALGORITHMS, NS_COEFFICIENT_SETS
+from ..newton_schulz import NS_COEFFICIENT_SETS
 from ..plan.collectives import BOUNDARY_COLLECTIVES
+from ..plan.cost import NS_ALGORITHMS
+from ..update import ADJUST_LR_FNS
 
 
 class ConfigError(SystemExit):

@@ -16,7 +16,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
 from ..api import clean_fqn, dedicate_params, summarize_plan
-from ..ns import orthogonalize_flops
+from ..plan.cost import orthogonalize_flops
 from .config import ConfigError
 
 #: The job being trained in this process (the optimizer builder only receives [optimizer]).

@@ -1,4 +1,4 @@
-"""Newton–Schulz orthogonalization and the Muon update rule.
+"""Newton–Schulz orthogonalization: coefficient schedules, plain and Gram iterations.
 
 Pure math: no process group, no hooks. Every function here follows the semantics that
 ``torch.optim.Muon`` documents (and implements in ``torch/optim/_muon.py``), with two
@@ -8,14 +8,15 @@ and the (a, b, c) coefficients may change per iteration (e.g. Polar Express).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from . import symmetric
-from .fused import decay_and_update_, divide_
+from .fused import divide_
+from .plan.cost import DEFAULT_GRAM_RESTARTS, ns_algorithm_for
+from .symmetric import runs_for as symmetric_kernel_runs_for
+from .symmetric import symmetric_matmul
 
 Coefficients = tuple[float, float, float]
 
@@ -45,8 +46,6 @@ NS_COEFFICIENT_SETS: dict[str, tuple[Coefficients, ...]] = {
     "jordan": (JORDAN_COEFFICIENTS,),
     "polar_express": _polar_express(),
 }
-
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 
 def normalize_coefficients(
@@ -78,17 +77,6 @@ def normalize_coefficients(
                 f"ns_coefficients[{i}] must be an (a, b, c) triple of floats, got {triple!r}"
             ) from None
     return tuple(schedule)
-
-
-def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
-    """FLOPs of ``ns_steps`` quintic NS iterations on a matrix of ``shape`` (2 FLOPs per FMA).
-
-    Per iteration on the wide orientation X (m×n, m ≤ n): A = X Xᵀ (2m²n), B = bA + cA² (2m³),
-    X ← aX + BX (2m²n).
-    """
-    rows, cols = int(shape[0]), int(shape[1])
-    m, n = min(rows, cols), max(rows, cols)
-    return ns_steps * (4 * m * m * n + 2 * m * m * m)
 
 
 def normalize_into(matrix: Tensor, out: Tensor, eps: float) -> Tensor:
@@ -168,133 +156,12 @@ def zeropower_via_newtonschulz(
     return x.mT if tall else x
 
 
-#: Orthogonalization algorithms: ``"plain"`` is torch.optim.Muon's iteration; ``"gram"``
-#: iterates on the m×m Gram matrix instead (same polynomial, fewer FLOPs for wide matrices);
-#: ``"auto"`` picks, per shape, whichever needs fewer FLOPs.
-NS_ALGORITHMS = ("plain", "gram", "auto")
-
-#: Iterations after which Gram NS re-forms X and its Gram matrix from scratch: rounding
-#: errors of the recursive Gram update grow with every iteration (by up to a² ≈ 12 on the
-#: small eigenvalues), a restart caps that growth.
-DEFAULT_GRAM_RESTARTS: tuple[int, ...] = (2,)
-
 #: Gram NS computes its symmetric products in this many row panels (``symmetric_matmul``)
 #: when the short side is at least ``SYMMETRIC_PANELS_MIN_SIDE``. Measured on H200
 #: (docs/benchmarks.md): 4 panels make 4096×14336 Gram NS 11 % faster, but slow m = 1024 down
 #: (panels of 256 rows are far from the matmul rate).
 SYMMETRIC_PANELS = 4
 SYMMETRIC_PANELS_MIN_SIDE = 4096
-
-
-def gram_ns_flops(
-    shape: Sequence[int], ns_steps: int = 5, restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS
-) -> int:
-    """FLOPs of :func:`gram_newton_schulz` on a matrix of ``shape`` (2 FLOPs per FMA).
-
-    m×m products (m = the short side): R² every iteration, the R update P·R·P (two) on every
-    iteration but the last and those before a restart, Q ← P·Q on all but the first of each
-    run; m×n products: one Gram matrix per run, one Q·X per run.
-    """
-    rows, cols = int(shape[0]), int(shape[1])
-    m, n = min(rows, cols), max(rows, cols)
-    boundaries = sorted({r for r in restarts if 0 < r < ns_steps})
-    runs, start = [], 0
-    for r in [*boundaries, ns_steps]:
-        runs.append(r - start)
-        start = r
-    square = 0
-    for length in runs:
-        square += length  # R²
-        square += 2 * (length - 1)  # R ← P R P, not after the run's last iteration
-        square += length - 1  # Q ← P Q, not on the first (Q starts as P)
-    return 2 * m * m * m * square + len(runs) * 4 * m * m * n
-
-
-def check_ns_algorithm(algorithm: str) -> None:
-    """Raise a ValueError naming ``algorithm`` unless it is one of :data:`NS_ALGORITHMS`."""
-    if algorithm not in NS_ALGORITHMS:
-        raise ValueError(f"unknown ns_algorithm {algorithm!r}; known: {list(NS_ALGORITHMS)}")
-
-
-def ns_algorithm_for(shape: Sequence[int], algorithm: str, ns_steps: int = 5) -> str:
-    """``"plain"`` or ``"gram"``: ``algorithm`` itself, or for ``"auto"`` the cheaper one."""
-    check_ns_algorithm(algorithm)
-    if algorithm != "auto":
-        return algorithm
-    return "gram" if gram_ns_flops(shape, ns_steps) < ns_flops(shape, ns_steps) else "plain"
-
-
-def orthogonalize_flops(shape: Sequence[int], algorithm: str = "plain", ns_steps: int = 5) -> int:
-    """FLOPs of :func:`orthogonalize` by ``algorithm`` on a matrix of ``shape``, counting every
-    product in full (the owner partition's cost model: on the 8B shapes these track measured NS
-    time within ~1.5×, where plain-NS FLOPs overstate the FFN matrices' Gram NS by 1.4×)."""
-    if ns_algorithm_for(shape, algorithm, ns_steps) == "gram":
-        return gram_ns_flops(shape, ns_steps)
-    return ns_flops(shape, ns_steps)
-
-
-def symmetric_matmul(
-    a: Tensor,
-    b: Tensor,
-    panels: int = 1,
-    addend: Tensor | None = None,
-    beta: float = 1.0,
-    alpha: float = 1.0,
-    diagonal: float = 0.0,
-    kernel: bool = False,
-) -> Tensor:
-    """``beta·addend + alpha·(a @ b) + diagonal·I`` for a product known to be symmetric
-    (XXᵀ, or two commuting symmetric matrices), computing only its upper block triangle.
-
-    ``kernel``: by :func:`.symmetric.symmetric_mm` (half the FLOPs, one pass) where it runs
-    (:func:`.symmetric.supported`); otherwise as follows.
-
-    The m rows are cut into ``panels`` row panels; panel i multiplies only from its diagonal
-    block rightwards (m·(m − i·h) outputs instead of m·m), and the blocks below the diagonal
-    are copied from their mirror images: (panels + 1) / (2·panels) of the matmul FLOPs, at the
-    price of smaller matmuls and ``panels − 1`` block copies. ``panels`` ≤ 1, or one that does
-    not divide m, computes the whole product. ``addend`` must be symmetric too. 2-D or 3-D.
-    """
-    if kernel and symmetric.supported(a, b):
-        return symmetric.symmetric_mm(
-            a, b, addend=addend, alpha=alpha, beta=beta, diagonal=diagonal
-        )
-    out = _symmetric_matmul_panels(a, b, panels, addend, beta, alpha)
-    if diagonal:
-        out.diagonal(dim1=-2, dim2=-1).add_(diagonal)
-    return out
-
-
-def _symmetric_matmul_panels(
-    a: Tensor, b: Tensor, panels: int, addend: Tensor | None, beta: float, alpha: float
-) -> Tensor:
-    m = a.size(-2)
-    fn = torch.baddbmm if a.ndim == 3 else torch.addmm
-    if panels <= 1 or m % panels or m < 2 * panels:
-        if addend is None:
-            return a @ b if alpha == 1.0 else torch.mul(a @ b, alpha)
-        return fn(addend, a, b, beta=beta, alpha=alpha)
-    out = a.new_empty((*a.shape[:-2], m, m))
-    h = m // panels
-    for i in range(panels):
-        rows, cols = slice(i * h, (i + 1) * h), slice(i * h, m)
-        target = out[..., rows, cols]
-        if addend is None:
-            torch.matmul(a[..., rows, :], b[..., :, cols], out=target)
-            if alpha != 1.0:
-                target.mul_(alpha)
-        else:
-            fn(
-                addend[..., rows, cols],
-                a[..., rows, :],
-                b[..., :, cols],
-                beta=beta,
-                alpha=alpha,
-                out=target,
-            )
-    for i in range(1, panels):  # row panel i, left of its diagonal block: the mirror image
-        out[..., i * h : (i + 1) * h, : i * h].copy_(out[..., : i * h, i * h : (i + 1) * h].mT)
-    return out
 
 
 def gram_newton_schulz(
@@ -363,7 +230,7 @@ def orthogonalize(
     (:data:`SYMMETRIC_PANELS_MIN_SIDE`) and plain NS is torch.optim.Muon's."""
     choice = ns_algorithm_for(matrix.shape[-2:], algorithm, ns_steps)
     short, long = sorted(matrix.shape[-2:])
-    kernel = algorithm != "plain" and symmetric.runs_for(short, long, dtype, matrix.device)
+    kernel = algorithm != "plain" and symmetric_kernel_runs_for(short, long, dtype, matrix.device)
     if choice == "gram":
         panels = SYMMETRIC_PANELS if short >= SYMMETRIC_PANELS_MIN_SIDE else 1
         return gram_newton_schulz(
@@ -386,43 +253,3 @@ def orthogonalize(
         overwrite_input=overwrite_input,
         symmetric_kernel=kernel,
     )
-
-
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
-    """Muon's shape-dependent learning rate (``torch.optim.Muon``'s ``adjust_lr_fn``).
-
-    ``None``/``"original"``: lr·sqrt(max(1, rows/cols)) (Keller Jordan);
-    ``"match_rms_adamw"``: lr·0.2·sqrt(max(rows, cols)) (Moonshot), so AdamW's lr carries over.
-    """
-    rows, cols = int(shape[0]), int(shape[1])
-    # The ratio first, then the product: the same rounding as torch.optim.Muon.
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        return lr * (0.2 * math.sqrt(max(rows, cols)))
-    raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; known: {list(ADJUST_LR_FNS)}")
-
-
-def momentum_direction(
-    grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool
-) -> Tensor:
-    """Update the momentum buffer in place and return the direction to orthogonalize."""
-    momentum_buffer.lerp_(grad, 1 - momentum)
-    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-
-
-def apply_update(
-    param: Tensor,
-    ortho: Tensor,
-    *,
-    lr: float,
-    weight_decay: float,
-    adjust_lr_fn: str | None,
-    shape: Sequence[int] | None = None,
-) -> None:
-    """Decoupled weight decay, then the orthogonalized step with the shape-adjusted lr.
-
-    ``shape`` is the full matrix shape when ``param``/``ortho`` are one shard of it.
-    """
-    step = adjusted_lr(lr, adjust_lr_fn, param.shape if shape is None else shape)
-    decay_and_update_(param, ortho, 1 - lr * weight_decay, step)
