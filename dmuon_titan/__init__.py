@@ -1,15 +1,10 @@
 """dmuon_titan: Muon with dedicated matrix ownership on FSDP2, and a torchtitan plugin.
 
-Importing this package makes FSDP2's ``fully_shard`` and composable ``replicate`` (DDP) skip
-dedicated parameters.
+Importing it changes nothing in torch: :func:`dedicate_params` makes FSDP2's ``fully_shard``
+and composable ``replicate`` (DDP) skip dedicated parameters when it is called.
 """
 
-from .runtime.fsdp import install_fully_shard_patch, install_replicate_patch
-
-install_fully_shard_patch()
-install_replicate_patch()
-
-from .api import (  # noqa: E402
+from .api import (
     dedicate_params,
     move_hooks_outside_compile,
     no_sync,
@@ -17,10 +12,10 @@ from .api import (  # noqa: E402
     summarize_plan,
     wait_all_replicate_broadcasts,
 )
-from .clip import clip_grad_norm_  # noqa: E402
-from .muon import Muon  # noqa: E402
-from .newton_schulz import NS_COEFFICIENT_SETS  # noqa: E402
-from .state_dict import (  # noqa: E402
+from .clip import clip_grad_norm_
+from .muon import Muon
+from .newton_schulz import NS_COEFFICIENT_SETS
+from .state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,

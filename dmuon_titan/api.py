@@ -18,12 +18,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .options import DedicateOptions
 from .plan import ParamSpec, plan_partition, select_boundaries
-from .plan.collectives import boundary_layouts, check_boundary_collectives
+from .plan.collectives import boundary_collectives
 from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL
-from .runtime.collectives import Collectives, new_process_groups
+from .runtime.collectives import Collectives
+from .runtime.fsdp import install_fully_shard_patch, install_replicate_patch
 from .runtime.group import BoundaryGroup
 from .runtime.hooks import register_boundary_hooks, register_root_hooks, register_scope_hooks
+from .runtime.mesh import MeshInfo, mesh_info
 from .runtime.owned_param import DedicatedParam
 from .runtime.state import STATE_ATTR, DMuonState, get_state
 
@@ -91,23 +94,17 @@ def dedicate_params(
     Returns:
         :func:`summarize_plan` of the result.
     """
-    if hasattr(model, STATE_ATTR):
-        raise ValueError("dedicate_params was already applied to this model")
-    for name, m in (("mesh", mesh), ("replicate_mesh", replicate_mesh)):
-        if m is not None and (not isinstance(m, DeviceMesh) or m.ndim != 1):
-            raise ValueError(
-                f"{name} must be a 1-D DeviceMesh, got {type(m).__name__} with shape "
-                f"{getattr(m, 'shape', None)}"
-            )
-    if mesh is None and replicate_mesh is None:
-        raise ValueError("mesh must be a 1-D DeviceMesh (the data-parallel mesh), got None")
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-    if not isinstance(replicate_async, bool):
-        raise ValueError(f"replicate_async must be a bool, got {replicate_async!r}")
-    check_boundary_collectives(collectives)
-    _reject_already_sharded(model)
-
+    options = DedicateOptions(
+        hook_boundary_strict=hook_boundary_strict,
+        reshard_after_forward=reshard_after_forward,
+        replicate_async=replicate_async,
+        small_param_numel=small_param_numel,
+        ns_algorithm=ns_algorithm,
+        collectives=collectives,
+    )
+    _check_model_and_meshes(model, mesh, replicate_mesh)
+    # Validate → plan → build the runtime → install hooks: every input error comes before the
+    # first collective, the check that all ranks computed the same plan.
     selected = _select_params(model, predicate)
     modules = dict(model.named_modules())
     boundaries = select_boundaries(
@@ -122,43 +119,56 @@ def dedicate_params(
         small_param_numel=small_param_numel,
         ns_algorithm=ns_algorithm,
     )
-
-    device_type = (mesh or replicate_mesh).device_type
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if device_type == "cuda"
-        else torch.device(device_type)
-    )
-    shard_group = mesh.get_group() if mesh is not None else None
-    replicate_group = replicate_mesh.get_group() if replicate_mesh is not None else None
-    layouts = boundary_layouts(plan, shard_size, collectives)
+    moved_by = boundary_collectives(plan, shard_size, collectives)
     # Everything that decides which collectives run must agree across ranks, or they hang.
     fingerprint = plan.fingerprint(
         f"reshard_after_forward={reshard_after_forward}",
-        *(f"{boundary}={layout}" for boundary, layout in layouts.items()),
+        *(f"{boundary}={how}" for boundary, how in moved_by.items()),
     )
-    for group in (shard_group, replicate_group):
-        if group is not None:
-            _check_same_plan_everywhere(fingerprint, group, device)
-    comm = Collectives(new_process_groups(shard_group, replicate_group), device)
+    for m in (mesh, replicate_mesh):
+        if m is not None:
+            _check_same_plan_everywhere(fingerprint, m)
+    install_fully_shard_patch()  # fully_shard / replicate now skip dedicated parameters
+    install_replicate_patch()
+    state = _build_runtime(
+        model, plan, selected, modules, mesh_info(mesh, replicate_mesh), moved_by, options
+    )
+    setattr(model, STATE_ATTR, state)
+    return summarize_plan(model)
 
-    boundary_paths = list(dict.fromkeys(boundaries[fqn] for fqn, *_ in selected))
+
+def _check_model_and_meshes(model: nn.Module, mesh, replicate_mesh) -> None:
+    if hasattr(model, STATE_ATTR):
+        raise ValueError("dedicate_params was already applied to this model")
+    for name, m in (("mesh", mesh), ("replicate_mesh", replicate_mesh)):
+        if m is not None and (not isinstance(m, DeviceMesh) or m.ndim != 1):
+            raise ValueError(
+                f"{name} must be a 1-D DeviceMesh, got {type(m).__name__} with shape "
+                f"{getattr(m, 'shape', None)}"
+            )
+    if mesh is None and replicate_mesh is None:
+        raise ValueError("mesh must be a 1-D DeviceMesh (the data-parallel mesh), got None")
+    _reject_already_sharded(model)
+
+
+def _build_runtime(
+    model: nn.Module,
+    plan,
+    selected: list,
+    modules: dict[str, nn.Module],
+    mesh: MeshInfo,
+    moved_by: dict[str, str],
+    options: DedicateOptions,
+) -> DMuonState:
+    """One :class:`DedicatedParam` per selected matrix (placeholders where not kept), one
+    :class:`BoundaryGroup` per boundary, the root state, and their hooks."""
+    comm = Collectives(mesh)
+    boundary_paths = list(dict.fromkeys(spec.boundary for spec in plan.specs))
     boundary_index = {path: i for i, path in enumerate(boundary_paths)}
     params = [
-        DedicatedParam(
-            i,
-            spec.fqn,
-            module,
-            attr,
-            p,
-            owner,
-            comm.ranks["shard"],
-            comm.ranks["replicate"],
-            shard_size,
-            boundary_index[spec.boundary],
-        )
+        DedicatedParam(i, spec.fqn, module, attr, p, owner, mesh, boundary_index[spec.boundary])
         for i, ((_, p, module, attr), spec, owner) in enumerate(
-            zip(selected, specs, plan.owners, strict=True)
+            zip(selected, plan.specs, plan.owners, strict=True)
         )
     ]
     groups = [
@@ -167,27 +177,18 @@ def dedicate_params(
             path,
             modules[path],
             [p for p in params if p.boundary_index == i],
-            shard_size=shard_size,
-            layout=layouts[path],
-            auto=collectives == "auto",
+            comm,
+            collectives=moved_by[path],
+            auto=options.collectives == "auto",
         )
         for i, path in enumerate(boundary_paths)
     ]
-    state = DMuonState(
-        model,
-        plan,
-        params,
-        groups,
-        comm,
-        reshard_after_forward,
-        replicate_async=replicate_async,
-    )
+    state = DMuonState(model, plan, params, groups, comm, options)
     for g in groups:
         register_boundary_hooks(state, g)
     register_scope_hooks(state, modules, boundary_paths)
     register_root_hooks(state, model)
-    setattr(model, STATE_ATTR, state)
-    return summarize_plan(model)
+    return state
 
 
 def _reject_already_sharded(model: nn.Module) -> None:
@@ -243,9 +244,16 @@ def _select_params(model: nn.Module, predicate: ParamPredicate):
     return selected
 
 
-def _check_same_plan_everywhere(fingerprint: int, group, device: torch.device) -> None:
-    """One tiny all-gather: a rank whose plan differs fails on every rank instead of hanging."""
+def _check_same_plan_everywhere(fingerprint: int, mesh: DeviceMesh) -> None:
+    """One tiny all-gather on ``mesh``: a rank whose plan differs fails on every rank instead
+    of hanging."""
+    group = mesh.get_group()
     world = dist.get_world_size(group)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device(mesh.device_type)
+    )
     mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
@@ -340,11 +348,45 @@ def summarize_plan(
     mixed-precision policy); before that, pass them to get the figures of the coming run.
     """
     state = get_state(model)
-    state.adopt_registered()
-    plan = state.plan
-    n = state.world_size
-    loads = plan.load_per_rank()
-    shard, replicas = state.shard_size, state.replicate_size
+    plan, mesh = state.plan, state.mesh
+    return {
+        "world_size": mesh.world_size,
+        "shard_size": mesh.shard_size,
+        "replicate_size": mesh.replicate_size,
+        "rank": mesh.slot,
+        "reshard_after_forward": state.reshard_after_forward,
+        "num_params": len(state.params),
+        "params": [
+            {
+                "fqn": p.fqn,
+                "shape": list(p.shape),
+                "owner": p.owner,
+                "boundary": state.groups[p.boundary_index].path,
+                "ns_flops": cost,
+            }
+            for p, cost in zip(state.params, plan.costs, strict=True)
+        ],
+        "boundaries": [
+            {
+                "path": g.path or "<root>",
+                "params": len(g.params),
+                "owners": sorted({p.owner for p in g.params}),
+                "collectives": g.collectives,
+            }
+            for g in state.groups
+        ],
+        "ns_flops_per_rank": plan.load_per_rank(),
+        "imbalance": plan.imbalance(),
+        "bytes_per_rank_per_step": _bytes_per_step(state, param_dtype, reduce_dtype),
+    }
+
+
+def _bytes_per_step(
+    state: DMuonState, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+) -> dict[str, float]:
+    """Bytes each collective phase moves per rank and step, averaged over the data-parallel
+    world (the convention of :class:`~dmuon_titan.runtime.collectives.CommStats`)."""
+    shard, replicas = state.mesh.shard_size, state.mesh.replicate_size
 
     def param_size(p) -> int:
         return (param_dtype or p.param_dtype).itemsize
@@ -363,7 +405,6 @@ def summarize_plan(
             stage1_reduce_bytes += sum(p.numel * reduce_size(p) for p in g.params)
     reduce_bytes = sum(p.numel * reduce_size(p) for p in state.params)
     master_bytes = sum(p.numel * p.orig_dtype.itemsize for p in state.params)
-    # Per rank, averaged over the data-parallel world (see CommStats for the convention).
     in_shard = (shard - 1) / shard
     across = (replicas - 1) / (replicas * shard)
     per_step = {
@@ -376,33 +417,4 @@ def summarize_plan(
         "replicate_broadcast": master_bytes * across,
     }
     per_step["total"] = sum(per_step.values())
-    return {
-        "world_size": n,
-        "shard_size": state.shard_size,
-        "replicate_size": state.replicate_size,
-        "rank": state.rank,
-        "reshard_after_forward": state.reshard_after_forward,
-        "num_params": len(state.params),
-        "params": [
-            {
-                "fqn": p.fqn,
-                "shape": list(p.shape),
-                "owner": p.owner,
-                "boundary": state.groups[p.boundary_index].path,
-                "ns_flops": cost,
-            }
-            for p, cost in zip(state.params, plan.costs, strict=True)
-        ],
-        "boundaries": [
-            {
-                "path": g.path or "<root>",
-                "params": len(g.params),
-                "owners": sorted({p.owner for p in g.params}),
-                "collectives": g.layout,
-            }
-            for g in state.groups
-        ],
-        "ns_flops_per_rank": loads,
-        "imbalance": plan.imbalance(),
-        "bytes_per_rank_per_step": per_step,
-    }
+    return per_step

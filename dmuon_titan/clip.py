@@ -30,7 +30,6 @@ def clip_grad_norm_(
     """
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
-        state.adopt_registered()
         state.finalize_reduces()
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
@@ -60,7 +59,7 @@ def clip_grad_norm_(
     if sharded:
         norm = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach)
         parts.append(norm.full_tensor().to(device, dtype))
-    if state is not None and state.world_size > 1:
+    if state is not None and state.mesh.world_size > 1:
         owned_norm = local_norm(owned)
         if inf:
             state.comm.all_reduce(owned_norm, op=dist.ReduceOp.MAX)

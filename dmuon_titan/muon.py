@@ -9,6 +9,7 @@ other trainable parameters (FSDP2 DTensors, usually) and runs ``torch.optim.Adam
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -18,14 +19,10 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from . import fused, newton_schulz, update
-from .plan import cost
+from .options import DEFAULT_NS_BATCH_NUMEL, MuonOptions
 from .runtime.owned_param import is_dedicated
 from .runtime.state import STATE_ATTR, DMuonState
 from .timing import PhaseTimer
-
-#: Default chunk of batched Newton–Schulz: 2**27 elements (256 MiB in bf16, plus NS's own
-#: working copies of that size).
-DEFAULT_NS_BATCH_NUMEL = 2**27
 
 #: Plain NS (cuBLAS, ``ns_algorithm="plain"``) of a matrix this large already runs near the
 #: matmul rate alone, and batching it measured slower (4096×4096 on H200: 88 % of the matmul
@@ -54,7 +51,9 @@ class Muon(torch.optim.Optimizer):
         ns_batch_numel: same-shape matrices are orthogonalized together, as one batched
             Newton–Schulz, in chunks of at most this many elements (small matrices are far
             from the matmul rate one at a time); 0 runs one matrix at a time.
-        ns_algorithm: ``"plain"`` (``torch.optim.Muon``'s iteration), ``"gram"`` (the same
+        ns_algorithm: ``None`` (default): the one the owners were planned for
+            (``dedicate_params(ns_algorithm=...)``, ``"plain"`` without dedicated matrices);
+            ``"plain"`` (``torch.optim.Muon``'s iteration), ``"gram"`` (the same
             polynomial on the Gram matrix, :func:`dmuon_titan.newton_schulz.gram_newton_schulz`: fewer
             FLOPs for wide matrices, equal in exact arithmetic) or ``"auto"`` (per shape, the
             one with fewer FLOPs). ``"gram"``/``"auto"`` run their symmetric products by the
@@ -84,18 +83,13 @@ class Muon(torch.optim.Optimizer):
         adamw_foreach: bool | None = None,
         adamw_fused: bool | None = None,
         ns_batch_numel: int = DEFAULT_NS_BATCH_NUMEL,
-        ns_algorithm: str = "plain",
+        ns_algorithm: str | None = None,
     ) -> None:
-        if adamw_lr is None:
-            if adjust_lr_fn != "match_rms_adamw":
-                raise ValueError(
-                    "adamw_lr is required unless adjust_lr_fn='match_rms_adamw' (which makes "
-                    "Muon's lr an AdamW-scale lr)"
-                )
-            adamw_lr = lr
-        _validate_hyperparameters(
+        options = MuonOptions(
             lr=lr,
             momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
             ns_steps=ns_steps,
             eps=eps,
             weight_decay=weight_decay,
@@ -105,58 +99,64 @@ class Muon(torch.optim.Optimizer):
             adamw_betas=adamw_betas,
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
+            adamw_foreach=adamw_foreach,
+            adamw_fused=adamw_fused,
             ns_batch_numel=ns_batch_numel,
             ns_algorithm=ns_algorithm,
         )
-        newton_schulz.normalize_coefficients(ns_coefficients)  # validates; raises naming the value
+        self._dmuon: DMuonState | None = getattr(model, STATE_ATTR, None)
+        planned = self._dmuon.plan.ns_algorithm if self._dmuon is not None else "plain"
+        if options.ns_algorithm is None:
+            options = dataclasses.replace(options, ns_algorithm=planned)
+        elif options.ns_algorithm != planned and self._dmuon is not None:
+            warnings.warn(
+                f"Muon(ns_algorithm={options.ns_algorithm!r}) on a model whose owners were "
+                f"balanced for ns_algorithm={planned!r}: results are unaffected, but pass "
+                f"ns_algorithm={options.ns_algorithm!r} to dedicate_params (or leave it out "
+                "here) to balance the NS work of the algorithm that runs",
+                stacklevel=2,
+            )
+        #: the validated hyper-parameters; the param groups hold the ones schedulers change
+        self.options = options
         #: Not a param-group entry (it stays out of optimizer state dicts): same math per
         #: matrix, though batched and single matmuls round differently in bf16, so results are
         #: not bitwise identical across batch sizes (nor, hence, across owner counts).
-        self.ns_batch_numel = ns_batch_numel
+        self.ns_batch_numel = options.ns_batch_numel
         #: Not a param-group entry either, for the same reason (and old checkpoints lack it).
-        self.ns_algorithm = ns_algorithm
+        self.ns_algorithm = options.ns_algorithm
         #: Matrices of at least this many elements go through NS one at a time (None: all
         #: batched by ``ns_batch_numel``); see PLAIN_NS_UNBATCHED_NUMEL.
-        self.ns_unbatched_numel = PLAIN_NS_UNBATCHED_NUMEL if ns_algorithm == "plain" else None
-        self._dmuon: DMuonState | None = getattr(model, STATE_ATTR, None)
-        if self._dmuon is not None:
-            self._dmuon.adopt_registered()
-            planned = self._dmuon.plan.ns_algorithm
-            if planned != ns_algorithm:
-                warnings.warn(
-                    f"Muon(ns_algorithm={ns_algorithm!r}) on a model whose owners were balanced "
-                    f"for ns_algorithm={planned!r}: results are unaffected, but pass "
-                    f"ns_algorithm={ns_algorithm!r} to dedicate_params to balance the NS work "
-                    "of the algorithm that runs",
-                    stacklevel=2,
-                )
+        self.ns_unbatched_numel = (
+            PLAIN_NS_UNBATCHED_NUMEL if options.ns_algorithm == "plain" else None
+        )
         muon_params, other_params = self._split_params(model)
         #: names for messages (a parameter of the AdamW group still on the meta device)
         self._names = {id(p): name for name, p in model.named_parameters()}
+        o = options
         muon_group = {
             "params": muon_params,
             "use_muon": True,
-            "lr": lr,
-            "momentum": momentum,
-            "nesterov": nesterov,
-            "ns_coefficients": ns_coefficients,
-            "ns_steps": ns_steps,
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "adjust_lr_fn": adjust_lr_fn,
-            "ns_dtype": ns_dtype,
+            "lr": o.lr,
+            "momentum": o.momentum,
+            "nesterov": o.nesterov,
+            "ns_coefficients": o.ns_coefficients,
+            "ns_steps": o.ns_steps,
+            "eps": o.eps,
+            "weight_decay": o.weight_decay,
+            "adjust_lr_fn": o.adjust_lr_fn,
+            "ns_dtype": o.ns_dtype,
         }
         adamw_group = {
             "params": other_params,
             "use_muon": False,
-            "lr": adamw_lr,
-            "betas": tuple(adamw_betas),
-            "eps": adamw_eps,
-            "weight_decay": adamw_weight_decay,
+            "lr": o.adamw_lr,
+            "betas": o.adamw_betas,
+            "eps": o.adamw_eps,
+            "weight_decay": o.adamw_weight_decay,
             "amsgrad": False,
             "maximize": False,
-            "foreach": adamw_foreach,
-            "fused": adamw_fused,
+            "foreach": o.adamw_foreach,
+            "fused": o.adamw_fused,
             "capturable": False,
             "differentiable": False,
             "decoupled_weight_decay": True,
@@ -165,6 +165,8 @@ class Muon(torch.optim.Optimizer):
         device = self._dmuon.device if self._dmuon else next(model.parameters()).device
         #: Per-step phase times ("optimizer", "ns", "adamw"); read with :meth:`step_timings`.
         self.timer = PhaseTimer(device)
+        self.register_step_pre_hook(Muon._before_step)
+        self.register_step_post_hook(Muon._after_step)
 
     def _split_params(self, model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(Muon group, AdamW group): every dedicated matrix, then every other trainable one."""
@@ -181,7 +183,6 @@ class Muon(torch.optim.Optimizer):
         left on the meta device is an error naming it.
         """
         if self._dmuon is not None:
-            self._dmuon.adopt_registered()
             held = self.param_groups[0]["params"]
             for i, p in enumerate(self._dmuon.params):
                 if held[i] is not p.owned:
@@ -204,9 +205,6 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.follow_model()
-        if self._dmuon is not None:
-            self._dmuon.finalize_reduces()
         self.timer.reset()
         self.timer.start("optimizer")
         for group in self.param_groups:
@@ -216,10 +214,21 @@ class Muon(torch.optim.Optimizer):
                 self.timer.start("adamw")
                 self._adamw_step(group)
                 self.timer.stop("adamw")
-        if self._dmuon is not None:
-            self._dmuon.after_step()  # replicas: the updated matrices go back (async)
         self.timer.stop("optimizer")
         return loss
+
+    @staticmethod
+    def _before_step(optimizer: Muon, _args, _kwargs) -> None:
+        """A step pre-hook: current parameters, and the owners' gradients arrived."""
+        optimizer.follow_model()
+        if optimizer._dmuon is not None:
+            optimizer._dmuon.finalize_reduces()
+
+    @staticmethod
+    def _after_step(optimizer: Muon, _args, _kwargs) -> None:
+        """A step post-hook: with replicas, the updated matrices go back to them (async)."""
+        if optimizer._dmuon is not None:
+            optimizer._dmuon.after_step()
 
     def step_timings(self) -> dict[str, float]:
         """Milliseconds of the last ``step()`` per phase: ``optimizer`` (all of it), ``ns``
@@ -362,34 +371,6 @@ class Muon(torch.optim.Optimizer):
                     self.state[p]["momentum_buffer"] = torch.zeros_like(
                         p, memory_format=torch.preserve_format
                     )
-
-
-def _validate_hyperparameters(**kw: Any) -> None:
-    def bad(name: str, why: str) -> ValueError:
-        return ValueError(f"Muon: {name}={kw[name]!r} {why}")
-
-    for name in ("lr", "adamw_lr", "weight_decay", "adamw_weight_decay"):
-        if not isinstance(kw[name], (int, float)) or kw[name] < 0:
-            raise bad(name, "must be a number >= 0")
-    if not 0.0 <= kw["momentum"] < 1.0:
-        raise bad("momentum", "must be in [0, 1)")
-    if not isinstance(kw["ns_steps"], int) or not 1 <= kw["ns_steps"] < 100:
-        raise bad("ns_steps", "must be an int in [1, 100)")
-    for name in ("eps", "adamw_eps"):
-        if not isinstance(kw[name], (int, float)) or kw[name] <= 0:
-            raise bad(name, "must be a number > 0")
-    if kw["adjust_lr_fn"] not in update.ADJUST_LR_FNS:
-        raise bad("adjust_lr_fn", f"must be one of {list(update.ADJUST_LR_FNS)}")
-    if not isinstance(kw["ns_dtype"], torch.dtype) or not kw["ns_dtype"].is_floating_point:
-        raise bad("ns_dtype", "must be a floating-point torch.dtype")
-    betas = kw["adamw_betas"]
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise bad("adamw_betas", "must be two numbers in [0, 1)")
-    numel = kw["ns_batch_numel"]
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise bad("ns_batch_numel", "must be an int >= 0")
-    if kw["ns_algorithm"] not in cost.NS_ALGORITHMS:
-        raise bad("ns_algorithm", f"must be one of {list(cost.NS_ALGORITHMS)}")
 
 
 def ns_chunks(

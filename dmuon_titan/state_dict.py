@@ -31,10 +31,7 @@ from .runtime.state import STATE_ATTR, DMuonState
 
 
 def _state(model: nn.Module) -> DMuonState | None:
-    state = getattr(model, STATE_ATTR, None)
-    if state is not None:
-        state.adopt_registered()
-    return state
+    return getattr(model, STATE_ATTR, None)
 
 
 def _dedicated_by_fqn(state: DMuonState | None) -> dict[str, DedicatedParam]:

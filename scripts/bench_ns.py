@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 from dmuon_titan import newton_schulz
-from dmuon_titan.muon import DEFAULT_NS_BATCH_NUMEL
+from dmuon_titan.options import DEFAULT_NS_BATCH_NUMEL
 from dmuon_titan.plan import cost
 from dmuon_titan.timing import median_milliseconds as timed
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from dmuon_titan.plan.cost import NS_ALGORITHMS, orthogonalize_flops
 from dmuon_titan.plan import ParamSpec, plan_partition
+from dmuon_titan.plan.cost import NS_ALGORITHMS, orthogonalize_flops
 
 MODELS = {
     # name: (n_layers, dim, kv_dim, ffn_hidden): Llama 3.2 1B's shapes, torchtitan's 8B/70B

@@ -184,9 +184,9 @@ def test_unknown_boundary_collectives():
         choose_boundary_collectives([1], 2, "ring")
 
 
-def test_boundary_layouts_group_matrices_by_owner_column():
+def test_boundary_collectives_group_matrices_by_owner_column():
     from dmuon_titan.plan import ParamSpec
-    from dmuon_titan.plan.collectives import boundary_layouts
+    from dmuon_titan.plan.collectives import boundary_collectives
     from dmuon_titan.plan.partition import Plan
 
     specs = (
@@ -199,9 +199,9 @@ def test_boundary_layouts_group_matrices_by_owner_column():
     plan = Plan(4, specs, owners=(0, 3, 2, 1), costs=(1, 1, 1, 1))
     # a: column 0 holds 100, column 1 holds 60 -> 100 < 160: gather
     # b: column 0 holds 100, column 1 holds 10 -> 100 < 110: gather; on 3 shards not
-    assert boundary_layouts(plan, 2, "auto") == {"a": "gather", "b": "gather"}
-    assert boundary_layouts(plan, 4, "auto") == {"a": "broadcast", "b": "broadcast"}
-    assert boundary_layouts(plan, 2, "broadcast") == {"a": "broadcast", "b": "broadcast"}
+    assert boundary_collectives(plan, 2, "auto") == {"a": "gather", "b": "gather"}
+    assert boundary_collectives(plan, 4, "auto") == {"a": "broadcast", "b": "broadcast"}
+    assert boundary_collectives(plan, 2, "broadcast") == {"a": "broadcast", "b": "broadcast"}
     # a: both matrices in column 0 (owners 0 and 2, two replicas): one bucket, broadcast
     one_column = Plan(4, specs, owners=(0, 2, 1, 2), costs=(1, 1, 1, 1))
-    assert boundary_layouts(one_column, 2, "auto") == {"a": "broadcast", "b": "gather"}
+    assert boundary_collectives(one_column, 2, "auto") == {"a": "broadcast", "b": "gather"}

@@ -185,7 +185,7 @@ def test_optimizer_hyperparameters(cpu_mesh, kwargs, name):
 
 def test_unknown_ns_algorithm_in_dedicate_params(cpu_mesh):
     model = meta_model()
-    with no_collectives(), pytest.raises(ValueError, match="ns_algorithm 'fast'"):
+    with no_collectives(), pytest.raises(ValueError, match="ns_algorithm must be one of.*'fast'"):
         dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate, ns_algorithm="fast")
     assert not hasattr(model, STATE_ATTR)  # nothing installed: the model can be dedicated again
 
@@ -197,15 +197,16 @@ def test_unknown_collectives_in_dedicate_params(cpu_mesh):
     assert not hasattr(model, STATE_ATTR)
 
 
-def test_optimizer_warns_when_owners_were_balanced_for_another_algorithm(cpu_mesh):
+def test_optimizer_takes_the_planned_algorithm_and_warns_on_another(cpu_mesh):
     model = ToyTransformer()
     dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate, ns_algorithm="auto")
     with pytest.warns(UserWarning, match=r"balanced for ns_algorithm='auto'"):
-        dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)  # default "plain"
+        dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_algorithm="plain")
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        assert dmuon.Muon(model, lr=0.02, adamw_lr=1e-3).ns_algorithm == "auto"  # the plan's
         dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_algorithm="auto")
 
 

@@ -26,42 +26,47 @@ from .partition import Plan
 BOUNDARY_COLLECTIVES = ("auto", "broadcast", "gather")
 
 
-def check_boundary_collectives(mode: str) -> None:
-    if mode not in BOUNDARY_COLLECTIVES:
-        raise ValueError(f"collectives must be one of {list(BOUNDARY_COLLECTIVES)}, got {mode!r}")
+def check_boundary_collectives(collectives: str) -> None:
+    if collectives not in BOUNDARY_COLLECTIVES:
+        raise ValueError(
+            f"collectives must be one of {list(BOUNDARY_COLLECTIVES)}, got {collectives!r}"
+        )
 
 
-def link_cost(bucket_numels: Sequence[int], group_size: int, layout: str) -> int:
-    """Elements that cross the busiest link direction to move one boundary by ``layout``."""
+def link_cost(bucket_numels: Sequence[int], group_size: int, collectives: str) -> int:
+    """Elements that cross the busiest link direction to move one boundary by
+    ``collectives`` (``"broadcast"`` or ``"gather"``)."""
     if group_size <= 1 or not bucket_numels:
         return 0
-    if layout == "broadcast":
+    if collectives == "broadcast":
         return sum(bucket_numels)
-    if layout == "gather":
+    if collectives == "gather":
         return (group_size - 1) * max(bucket_numels)
-    raise ValueError(f"layout must be 'broadcast' or 'gather', got {layout!r}")
+    raise ValueError(f"collectives must be 'broadcast' or 'gather', got {collectives!r}")
 
 
-def choose_boundary_collectives(bucket_numels: Sequence[int], group_size: int, mode: str) -> str:
+def choose_boundary_collectives(
+    bucket_numels: Sequence[int], group_size: int, collectives: str
+) -> str:
     """``"broadcast"`` or ``"gather"`` for a boundary whose owner columns hold buckets of
     ``bucket_numels`` elements, in a shard group of ``group_size`` ranks (see module doc)."""
-    check_boundary_collectives(mode)
-    if mode != "auto":
-        return mode
+    check_boundary_collectives(collectives)
+    if collectives != "auto":
+        return collectives
     gather = link_cost(bucket_numels, group_size, "gather")
     return "gather" if gather < link_cost(bucket_numels, group_size, "broadcast") else "broadcast"
 
 
-def boundary_layouts(plan: Plan, shard_size: int, mode: str) -> dict[str, str]:
-    """The layout of every boundary of ``plan`` (in first-appearance order) for a shard group
-    of ``shard_size`` ranks: its buckets are its matrices grouped by owner column
-    (``owner % shard_size``)."""
-    check_boundary_collectives(mode)
+def boundary_collectives(plan: Plan, shard_size: int, collectives: str) -> dict[str, str]:
+    """``"broadcast"`` or ``"gather"`` for every boundary of ``plan`` (in first-appearance
+    order) for a shard group of ``shard_size`` ranks: its buckets are its matrices grouped by
+    owner column (``owner % shard_size``)."""
+    check_boundary_collectives(collectives)
     columns: dict[str, dict[int, int]] = {}
     for spec, owner in zip(plan.specs, plan.owners, strict=True):
         sizes = columns.setdefault(spec.boundary, {})
         sizes[owner % shard_size] = sizes.get(owner % shard_size, 0) + spec.numel
     return {
-        boundary: choose_boundary_collectives(list(sizes.values()), shard_size, mode)
+        boundary: choose_boundary_collectives(list(sizes.values()), shard_size, collectives)
         for boundary, sizes in columns.items()
     }

@@ -26,36 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-
-def new_process_groups(
-    shard_group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None
-) -> dict[str, dist.ProcessGroup | None]:
-    """DMuon's own groups: ``unshard`` and ``reduce`` with the ranks of ``shard_group``,
-    ``replicate`` with those of ``replicate_group`` (``None`` for a group of one rank).
-
-    ``new_group`` must be entered by every rank of the world for every group, in one order;
-    each rank knows only its own groups, so the rank lists are gathered first (one
-    all-gather on the default group, at setup).
-    """
-
-    def ranks_of(group) -> tuple[int, ...] | None:
-        if group is None or dist.get_world_size(group) == 1:
-            return None
-        return tuple(dist.get_process_group_ranks(group))
-
-    mine = {"unshard": ranks_of(shard_group), "reduce": ranks_of(shard_group)}
-    mine["replicate"] = ranks_of(replicate_group)
-    result: dict[str, dist.ProcessGroup | None] = dict.fromkeys(mine)
-    if dist.get_world_size() == 1 or all(r is None for r in mine.values()):
-        return result
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    wanted = sorted({(kind, r) for theirs in everyone for kind, r in theirs.items() if r})
-    for kind, ranks in wanted:
-        group = dist.new_group(list(ranks))
-        if mine[kind] == ranks:
-            result[kind] = group
-    return result
+from .mesh import MeshInfo
 
 
 class Pending:
@@ -127,36 +98,24 @@ class CommStats:
 
 
 class Collectives:
-    """Broadcast/reduce over DMuon's groups (``unshard``, ``reduce``, ``replicate``: see the
-    module doc), with streams or async work. ``ranks``/``sizes`` give this rank's place in the
-    layout, keyed ``"shard"`` and ``"replicate"``."""
+    """Broadcast/reduce over DMuon's groups (``"unshard"``, ``"reduce"``, ``"replicate"``),
+    with streams or async work, on the grid ``mesh`` describes."""
 
-    def __init__(self, groups: dict[str, dist.ProcessGroup | None], device: torch.device) -> None:
-        self.groups = groups
-        sizes = {k: dist.get_world_size(g) if g is not None else 1 for k, g in groups.items()}
-        ranks = {k: dist.get_rank(g) if g is not None else 0 for k, g in groups.items()}
-        self.sizes = {**sizes, "shard": sizes["unshard"]}
-        self.ranks = {**ranks, "shard": ranks["unshard"]}
-        self.device = device
+    def __init__(self, mesh: MeshInfo) -> None:
+        self.mesh = mesh
+        self.groups = mesh.groups
+        self.device = mesh.device
         self.stats = CommStats()
         #: when a list, every collective issued is appended as (group, op, phase, elements,
         #: what): the tests compare it across ranks
         self.log: list[tuple] | None = None
-        self._use_streams = device.type == "cuda"
+        self._use_streams = self.device.type == "cuda"
         if self._use_streams:
             self.streams = {
-                "unshard": torch.cuda.Stream(device=device, priority=-1),
-                "reduce": torch.cuda.Stream(device=device, priority=-1),
-                "replicate": torch.cuda.Stream(device=device, priority=-1),
+                "unshard": torch.cuda.Stream(device=self.device, priority=-1),
+                "reduce": torch.cuda.Stream(device=self.device, priority=-1),
+                "replicate": torch.cuda.Stream(device=self.device, priority=-1),
             }
-
-    @property
-    def shard_size(self) -> int:
-        return self.sizes["shard"]
-
-    @property
-    def replicate_size(self) -> int:
-        return self.sizes["replicate"]
 
     def _issued(self, group: str, op: str, phase: str, numel: int, what: str) -> str:
         if self.log is not None:
@@ -174,8 +133,8 @@ class Collectives:
     ) -> Pending:
         """Broadcast ``tensor`` in place from ``src`` (a rank of ``group``)."""
         pg = self.groups[group]
-        self.stats.record(phase, tensor.numel() * tensor.element_size(), self.sizes[group])
-        if self.sizes[group] == 1:
+        self.stats.record(phase, tensor.numel() * tensor.element_size(), self.mesh.size(group))
+        if self.mesh.size(group) == 1:
             return Pending()
         what = self._issued(group, "broadcast", phase, tensor.numel(), what)
         if self._use_streams:
@@ -202,7 +161,7 @@ class Collectives:
         """
         pg = self.groups[group]
         size = tensor.element_size()
-        n = self.sizes[group]
+        n = self.mesh.size(group)
         self.stats.record(phase, (tensor.numel() - trailer_numel) * size, n)
         if trailer_numel:
             self.stats.record(phase + "_flags", trailer_numel * size, n, ops=0)
@@ -223,11 +182,11 @@ class Collectives:
     ) -> Pending:
         """All-gather in place: ``buffer`` is one equal slot per rank of ``group``, in rank
         order; this rank's slot goes to every rank's copy."""
-        pg, n = self.groups[group], self.sizes[group]
+        pg, n = self.groups[group], self.mesh.size(group)
         self.stats.record(phase, buffer.numel() * buffer.element_size(), n)
         if n == 1:
             return Pending()
-        slot = buffer.view(n, -1)[self.ranks[group]]
+        slot = buffer.view(n, -1)[self.mesh.rank(group)]
         what = self._issued(group, "all_gather", phase, buffer.numel(), what)
         if self._use_streams:
             return self._on_stream(
@@ -249,7 +208,7 @@ class Collectives:
         this rank's slot of the sum lands in ``out``. ``trailer_numel``: bookkeeping elements
         inside ``buffer`` (presence flags), counted under ``phase + "_flags"`` as in
         :meth:`reduce_sum`."""
-        pg, n = self.groups[group], self.sizes[group]
+        pg, n = self.groups[group], self.mesh.size(group)
         size = buffer.element_size()
         self.stats.record(phase, (buffer.numel() - trailer_numel) * size, n)
         if trailer_numel:
@@ -292,7 +251,7 @@ class Collectives:
         """Blocking all-reduce over the whole data-parallel world (shard, then replicate).
         Outside backward only: it runs on the ``reduce`` group, after the step's reduces."""
         for group in ("reduce", "replicate"):
-            if self.sizes[group] > 1:
+            if self.mesh.size(group) > 1:
                 self._issued(group, "all_reduce", "all_reduce", tensor.numel(), "")
                 dist.all_reduce(tensor, op=op, group=self.groups[group])
 
@@ -301,7 +260,7 @@ class Collectives:
         order (replicate index major). Blocking; outside any step's collectives."""
         gathered = [obj]
         for group in ("reduce", "replicate"):
-            n = self.sizes[group]
+            n = self.mesh.size(group)
             if n > 1:
                 self._issued(group, "all_gather_object", "schedule", 0, "")
                 out: list = [None] * n

@@ -1,12 +1,7 @@
-"""One hook boundary: its dedicated parameters grouped by owner, with coalesced collectives.
+"""One hook boundary: its dedicated parameters grouped by owner column into buckets, with
+coalesced collectives and the boundary's own lifecycle.
 
-The parameters of a boundary whose owners sit in the same shard column form an
-:class:`OwnerBucket`. Inside a bucket the parameters are ordered by owner replica into
-*segments*; with replicas (HSDP/DDP) each segment is reduced once more across the replicate
-group to its global owner (stage 2), and after the optimizer step the owner broadcasts the
-segment's updated weights back to the replicas.
-
-Stage 1 (the shard group) has two layouts, chosen per boundary by
+Stage 1 (the shard ranks) moves by one of two ``collectives``, chosen per boundary by
 :func:`dmuon_titan.plan.choose_boundary_collectives`:
 
 - ``"broadcast"``: each bucket has its own flat buffer, broadcast from its column (forward,
@@ -15,8 +10,10 @@ Stage 1 (the shard group) has two layouts, chosen per boundary by
   (padded to the largest bucket); one all-gather fills it, one reduce-scatter returns each
   column its bucket's gradient sum, every rank sending at once.
 
-The order of everything is the plan's, identical on every rank, so every rank issues the same
-collectives in the same order.
+With replicas each bucket's segments go on to their global owners (stage 2), and after the
+step the owners broadcast their updated weights back to the replicas. When each of this is
+issued is the root state's decision (``state.py``: the rank-consistent schedule); what it does
+to the boundary is here.
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ import enum
 import torch
 from torch import nn
 
+from .bucket import OwnerBucket, PendingReduce, common_dtypes
 from .collectives import Collectives, Pending
 from .owned_param import DedicatedParam
 
@@ -36,135 +34,13 @@ class UnshardState(enum.Enum):
     READY = "ready"  # full-size params hold current weights
 
 
-class OwnerBucket:
-    """The parameters of one boundary owned in one shard column."""
+class TrainingState(enum.Enum):
+    """Where the boundary is in this rank's step (as FSDP2's parameter groups)."""
 
-    def __init__(self, owner_shard: int, params: list[DedicatedParam]) -> None:
-        self.owner_shard = owner_shard
-        self.params = sorted(params, key=lambda p: (p.owner_replica, p.index))
-        self.numel = sum(p.numel for p in self.params)
-        self.holds_weight = self.params[0].holds_weight
-        # (owner replica, params, offset in the reduce buffer, elements incl. flags)
-        self.segments: list[tuple[int, list[DedicatedParam], int, int]] = []
-        offset = 0
-        for replica in sorted({p.owner_replica for p in self.params}):
-            members = [p for p in self.params if p.owner_replica == replica]
-            size = sum(p.numel for p in members) + len(members)
-            self.segments.append((replica, members, offset, size))
-            offset += size
-        #: elements of the bucket's gradient buffer: the gradients plus one flag per parameter
-        self.reduce_numel = offset
-        #: flat, param dtype: a view into the boundary's weight buffer (``attach``)
-        self.buffer: torch.Tensor | None = None
-
-    def resolve_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
-        """(param dtype, reduce dtype), the same for every parameter of the bucket."""
-        dtypes = {(p.param_dtype, p.reduce_dtype) for p in self.params}
-        if len(dtypes) != 1:
-            names = [p.fqn for p in self.params]
-            raise ValueError(
-                f"dedicated parameters {names} share a hook boundary and owner but have "
-                f"different mixed-precision dtypes {sorted(map(str, dtypes))}"
-            )
-        self.param_dtype, self.reduce_dtype = next(iter(dtypes))
-        return self.param_dtype, self.reduce_dtype
-
-    def attach(self, buffer: torch.Tensor) -> None:
-        """Make ``buffer`` (``numel`` elements, param dtype) the storage of the full-size
-        parameters."""
-        self.buffer = buffer
-        offset = 0
-        for p in self.params:
-            p.make_unsharded(buffer[offset : offset + p.numel])
-            offset += p.numel
-
-    @torch.no_grad()
-    def fill_from_owned(self) -> None:
-        """Column ranks: copy (and cast) the master weights into the broadcast buffer."""
-        offset = 0
-        for p in self.params:
-            self.buffer[offset : offset + p.numel].copy_(p.owned.reshape(-1))
-            offset += p.numel
-
-    @torch.no_grad()
-    def pack_grads(self, flat: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's gradients (zeros where none) plus one presence flag per parameter,
-        segment by segment, into ``flat`` (``reduce_numel`` elements; new if ``None``).
-
-        The flags are summed by the reduces, so the owner learns whether *any* rank produced a
-        gradient, and keeps ``grad=None`` (skipped, as torch.optim does) when none did.
-        """
-        if flat is None:
-            flat = torch.empty(
-                self.reduce_numel, dtype=self.reduce_dtype, device=self.buffer.device
-            )
-        for _, members, start, size in self.segments:
-            flags = flat[start + size - len(members) : start + size]
-            flags.zero_()
-            offset = start
-            for i, p in enumerate(members):
-                grad = p.unsharded.grad
-                view = flat[offset : offset + p.numel]
-                # Known here, on the host: if the owner itself had a gradient, the flags
-                # need not be read (see DMuonState.finalize_reduces).
-                p.packed_local_grad = grad is not None
-                if grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(grad.reshape(-1))
-                    flags[i : i + 1].fill_(1)  # a kernel, not a host-to-device copy
-                    p.unsharded.grad = None
-                offset += p.numel
-        return flat
-
-    def owned_segment(self) -> tuple[list[DedicatedParam], torch.Tensor] | None:
-        """(params, slice bounds) of the segment this rank owns globally, if any."""
-        for _, members, start, size in self.segments:
-            if members[0].is_owner:
-                return members, (start, size)
-        return None
-
-    @torch.no_grad()
-    def reduced_grads(
-        self, members: list[DedicatedParam], segment: torch.Tensor, divide_factor: float
-    ) -> list[torch.Tensor]:
-        """Owner only: the summed gradients of ``members`` in ``segment`` divided by
-        ``divide_factor``, as views shaped like the parameters (cast to their dtype if the
-        reduce dtype differs). Needs no host synchronization: the presence flags decide later
-        which of them become ``owned.grad``."""
-        if divide_factor != 1:  # the gradients, not the presence flags after them
-            segment[: segment.numel() - len(members)].div_(divide_factor)
-        grads, offset = [], 0
-        for p in members:
-            grad = segment[offset : offset + p.numel].view(p.shape)
-            grads.append(grad if grad.dtype == p.orig_dtype else grad.to(p.orig_dtype))
-            offset += p.numel
-        return grads
-
-
-class PendingReduce:
-    """What the global owner must do with a reduced segment once it has arrived.
-
-    ``rest``: without CUDA streams, the second stage (replicas) and the owner's copy wait for
-    the first stage on the host, so they are left for :meth:`complete` at the end of
-    backward: a rank blocked inside backward on its own reduce could wait on a peer that is
-    itself waiting for this rank's next weight broadcast.
-    """
-
-    __slots__ = ("bucket", "members", "segment", "handles", "rest")
-
-    def __init__(self, bucket, members, segment, handles, rest=None) -> None:
-        self.bucket, self.members, self.segment, self.handles = bucket, members, segment, handles
-        self.rest = rest
-
-    def complete(self) -> PendingReduce:
-        """Issue what was left for later (in the order the reduces were issued: every rank
-        does the same); returns the reduce to wait for."""
-        if self.rest is None:
-            return self
-        for handle in self.handles:
-            handle.wait()
-        return self.rest()
+    IDLE = "idle"
+    FORWARD = "forward"  # between its forward pre- and post-hook: its buffers are in use
+    PRE_BACKWARD = "pre_backward"  # its backward began (an output's gradient arrived)
+    POST_BACKWARD = "post_backward"  # its reduce was issued: its backward is over here
 
 
 class BoundaryGroup:
@@ -176,23 +52,24 @@ class BoundaryGroup:
         path: str,
         module: nn.Module,
         params: list[DedicatedParam],
-        shard_size: int = 1,
-        layout: str = "broadcast",
+        comm: Collectives,
+        collectives: str = "broadcast",
         auto: bool = False,
     ):
         self.index = index
         self.path = path
         self.module = module
         self.params = params
+        self.comm = comm
+        self.mesh = comm.mesh
         by_column: dict[int, list[DedicatedParam]] = {}
         for p in params:
             by_column.setdefault(p.owner_shard, []).append(p)
         self.buckets = [OwnerBucket(s, by_column[s]) for s in sorted(by_column)]
-        self.shard_size = shard_size
-        if layout not in ("broadcast", "gather"):
-            raise ValueError(f"layout must be 'broadcast' or 'gather', got {layout!r}")
-        #: stage-1 layout, ``"broadcast"`` or ``"gather"`` (module doc); the same on every rank
-        self.layout = layout
+        if collectives not in ("broadcast", "gather"):
+            raise ValueError(f"collectives must be 'broadcast' or 'gather', got {collectives!r}")
+        #: ``"broadcast"`` or ``"gather"`` (module doc); the same on every rank
+        self.collectives = collectives
         #: chosen by ``collectives="auto"``: may fall back to "broadcast" (mixed dtypes)
         self.auto = auto
         #: "gather": elements per shard rank's slot, weights and gradients (incl. flags)
@@ -201,12 +78,11 @@ class BoundaryGroup:
         self._buffers: list[torch.Tensor] = []  # what holds the weight storage
         self.num_trainable = sum(1 for p in params if p.owned.requires_grad)
         self.unshard_state = UnshardState.FREED
+        self.training_state = TrainingState.IDLE
         self._pending: list[Pending] = []
         self._version_guard = None  # the buffers' version counters, restored after a refill
         self._replicate_pending: list[Pending] = []
         self.hook_handles: list = []  # forward hooks, on ``module`` or a wrapper of it
-        #: between this boundary's forward pre- and post-hook (its buffer is in use)
-        self.active = False
         #: Z2: unsharded by a training forward since the last backward, kept for backward
         self.held_for_backward = False
         #: indices of the parameters whose gradient arrived in the current backward
@@ -214,28 +90,34 @@ class BoundaryGroup:
 
     @property
     def gathered(self) -> bool:
-        return self.layout == "gather"
+        return self.collectives == "gather"
 
     @property
     def name(self) -> str:
         """How messages name this boundary."""
         return f"boundary {self.path or '<root>'!r}"
 
-    def lazy_init(self, device: torch.device) -> None:
-        dtypes = {bucket.resolve_dtypes() for bucket in self.buckets}
-        if self.gathered and len(dtypes) != 1 and self.auto:
-            # One buffer needs one dtype. The policies are the same on every rank, so is this.
-            self.layout = "broadcast"
+    @property
+    def active(self) -> bool:
+        """Between its forward pre- and post-hook (its buffers are in use)."""
+        return self.training_state is TrainingState.FORWARD
+
+    def lazy_init(self) -> None:
+        """Buffers, once the parameters' mixed-precision dtypes are known."""
+        device = self.mesh.device
+        for bucket in self.buckets:
+            bucket.resolve_dtypes()
+        if self.gathered and self.auto:
+            if len({(b.param_dtype, b.reduce_dtype) for b in self.buckets}) != 1:
+                # One buffer needs one dtype. The policies are the same on every rank, so is
+                # this fallback.
+                self.collectives = "broadcast"
         if self.gathered:
-            if len(dtypes) != 1:
-                raise ValueError(
-                    f"boundary {self.path or '<root>'!r} moves its weights in one buffer "
-                    "(collectives 'gather') but its parameters have different mixed-precision "
-                    f"dtypes {sorted(map(str, dtypes))}; use collectives='broadcast'"
-                )
-            self.param_dtype, self.reduce_dtype = dtypes.pop()
+            self.param_dtype, self.reduce_dtype = common_dtypes(
+                self.params, f"{self.name}, collectives 'gather': use collectives='broadcast'"
+            )
             buffer = torch.empty(
-                self.shard_size * self.slot_numel, dtype=self.param_dtype, device=device
+                self.mesh.shard_size * self.slot_numel, dtype=self.param_dtype, device=device
             )
             for bucket in self.buckets:
                 start = bucket.owner_shard * self.slot_numel
@@ -261,7 +143,7 @@ class BoundaryGroup:
             buffer.untyped_storage().resize_(0)
 
     # ---------------------------------------------------------------- weights in
-    def unshard(self, comm: Collectives, phase: str, refresh: bool = False) -> None:
+    def unshard(self, phase: str, refresh: bool = False) -> None:
         """Issue the collectives that make every full-size parameter current (async).
 
         Without ``refresh`` nothing happens unless the storage is freed. With it the
@@ -280,6 +162,7 @@ class BoundaryGroup:
         # put back once the collectives are waited for: gloo's all-gather copies into its
         # output (a bump) on its own thread, after the call returns.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(tuple(self._buffers))
+        comm = self.comm
         for bucket in self.buckets:
             if bucket.holds_weight:
                 bucket.fill_from_owned()
@@ -308,39 +191,84 @@ class BoundaryGroup:
         self._free()
         self.unshard_state = UnshardState.FREED
 
-    def install(self) -> None:
+    # ---------------------------------------------------------------- lifecycle
+    def pre_forward(self) -> None:
+        """Its forward begins: the full-size weights (scheduled already) are waited for and
+        swapped into the modules."""
+        self.wait_unshard()
+        for p in self.params:
+            p.install()
+        self.training_state = TrainingState.FORWARD
+
+    def post_forward(self, free: bool) -> None:
+        """Its forward ended: the modules get their masters/placeholders back; ``free``
+        (Z3, or a forward without gradients) drops the full-size storage."""
+        for p in self.params:
+            p.uninstall()
+        self.training_state = TrainingState.IDLE
+        if free:
+            self.reshard()
+
+    def pre_backward(self) -> None:
+        """Its backward begins (the weights are current: waited for here)."""
+        self.wait_unshard()
+        self.training_state = TrainingState.PRE_BACKWARD
+
+    def recompute(self) -> None:
+        """Activation checkpointing re-runs its forward inside backward."""
+        self.wait_unshard()
         for p in self.params:
             p.install()
 
-    def uninstall(self) -> None:
+    def end_recompute(self) -> None:
         for p in self.params:
             p.uninstall()
 
+    def post_backward(self, sync: bool, free: bool) -> list[PendingReduce]:
+        """Its gradients are final on this rank: reduced to their owners (``sync``; not
+        under ``no_sync``), then, if ``free``, the storage dropped."""
+        issued = self.reduce_grads() if sync else []
+        if free:
+            self.reshard()
+        self.held_for_backward = False
+        self.training_state = TrainingState.POST_BACKWARD
+        return issued
+
+    def end_backward(self) -> None:
+        """The whole backward is over: nothing full-size stays, per-step records reset."""
+        self.reshard()
+        self.grads_ready.clear()
+        self.held_for_backward = False
+        self.training_state = TrainingState.IDLE
+
+    @property
+    def grads_final(self) -> bool:
+        """Every trainable parameter's gradient arrived in this backward."""
+        return len(self.grads_ready) == self.num_trainable
+
     # ---------------------------------------------------------------- gradients out
-    def reduce_grads(self, comm: Collectives) -> list[PendingReduce]:
-        """Stage 1 (shard group, to the column) and, with replicas, stage 2 (replicate group,
+    def reduce_grads(self) -> list[PendingReduce]:
+        """Stage 1 (shard ranks, to the column) and, with replicas, stage 2 (across replicas,
         to the global owner) for every bucket; returns what owners unpack later."""
         if self.gathered:
-            return self._reduce_grads_gathered(comm)
+            return self._reduce_grads_gathered()
         issued = []
         for bucket in self.buckets:
             flat = bucket.pack_grads()
-            stage1 = comm.reduce_sum(
+            stage1 = self.comm.reduce_sum(
                 flat, bucket.owner_shard, "reduce", len(bucket.params), what=self.name
             )
-            issued.append(self._stage2(comm, bucket, flat, stage1, flat))
+            issued.append(self._stage2(bucket, flat, stage1, flat))
         return issued
 
-    def _reduce_grads_gathered(self, comm: Collectives) -> list[PendingReduce]:
+    def _reduce_grads_gathered(self) -> list[PendingReduce]:
         """One reduce-scatter: every bucket packed at its column's slot (padding zeroed);
         this rank receives its column's bucket summed, in a tensor of its own (so the other
         slots are freed once the collective is done)."""
-        slot = self.reduce_slot_numel
-        flat = torch.empty(
-            self.shard_size * slot, dtype=self.reduce_dtype, device=self.buckets[0].buffer.device
-        )
+        slot, shards = self.reduce_slot_numel, self.mesh.shard_size
+        flat = torch.empty(shards * slot, dtype=self.reduce_dtype, device=self.mesh.device)
         by_column = {bucket.owner_shard: bucket for bucket in self.buckets}
-        for column in range(self.shard_size):
+        for column in range(shards):
             region = flat[column * slot : (column + 1) * slot]
             bucket = by_column.get(column)
             used = 0 if bucket is None else bucket.reduce_numel
@@ -348,19 +276,18 @@ class BoundaryGroup:
                 bucket.pack_grads(region[:used])
             if used < slot:
                 region[used:].zero_()
-        mine = by_column.get(comm.ranks["shard"])
+        mine = by_column.get(self.mesh.shard_rank)
         # One rank: nothing to scatter, the packed buffer is the sum.
-        out = flat if self.shard_size == 1 else torch.empty_like(flat[:slot])
-        stage1 = comm.reduce_scatter_slots(
+        out = flat if shards == 1 else torch.empty_like(flat[:slot])
+        stage1 = self.comm.reduce_scatter_slots(
             flat, out, "reduce", sum(len(b.params) for b in self.buckets), what=self.name
         )
         if mine is None:
-            return [PendingReduce(None, None, None, [stage1])]
-        return [self._stage2(comm, mine, out[: mine.reduce_numel], stage1, out)]
+            return [PendingReduce(None, None, [stage1])]
+        return [self._stage2(mine, out[: mine.reduce_numel], stage1, out)]
 
     def _stage2(
         self,
-        comm: Collectives,
         bucket: OwnerBucket,
         flat: torch.Tensor,
         stage1,
@@ -377,46 +304,47 @@ class BoundaryGroup:
         streams they need stage 1 done on the host, so they wait for
         :meth:`PendingReduce.complete` (see there why not now)."""
 
+        comm = self.comm
+
         def rest() -> PendingReduce:
             handles = [stage1]
-            if comm.replicate_size > 1 and bucket.holds_weight:
-                for replica, members, start, size in bucket.segments:
+            if self.mesh.replicate_size > 1 and bucket.holds_weight:
+                for segment in bucket.segments:
                     handles.append(
                         comm.reduce_sum(
-                            flat[start : start + size],
-                            replica,
+                            segment.of(flat),
+                            segment.replica,
                             "reduce_replicate",
-                            len(members),
+                            len(segment.params),
                             group="replicate",
                             what=self.name,
                         )
                     )
             owned = bucket.owned_segment()
             if owned is None:
-                return PendingReduce(bucket, None, None, handles)
-            members, (start, size) = owned
-            segment = flat[start : start + size]
-            if size < base.numel():
-                segment, done = comm.compact(segment, handles)
+                return PendingReduce(None, None, handles)
+            data = owned.of(flat)
+            if owned.numel < base.numel():
+                data, done = comm.compact(data, handles)
                 handles = [*handles, done]
-            return PendingReduce(bucket, members, segment, handles)
+            return PendingReduce(owned, data, handles)
 
-        if comm.device.type == "cuda":
+        if self.mesh.device.type == "cuda":
             return rest()
-        return PendingReduce(bucket, None, None, [stage1], rest=rest)
+        return PendingReduce(None, None, [stage1], rest=rest)
 
     # ---------------------------------------------------------------- updates back to replicas
-    def broadcast_updates(self, comm: Collectives) -> None:
+    def broadcast_updates(self) -> None:
         """After the step: each global owner's updated masters to the other replicas (async)."""
         for bucket in self.buckets:
             if not bucket.holds_weight:
                 continue
-            for replica, members, _, _ in bucket.segments:
-                for p in members:
+            for segment in bucket.segments:
+                for p in segment.params:
                     self._replicate_pending.append(
-                        comm.broadcast(
+                        self.comm.broadcast(
                             p.owned.data,
-                            replica,
+                            segment.replica,
                             "replicate_broadcast",
                             group="replicate",
                             stream="replicate",
@@ -428,12 +356,3 @@ class BoundaryGroup:
         for pending in self._replicate_pending:
             pending.wait()
         self._replicate_pending.clear()
-
-    def reset_step(self) -> None:
-        self.grads_ready.clear()
-        self.held_for_backward = False
-
-    @property
-    def grads_final(self) -> bool:
-        """Every trainable parameter's gradient arrived in this backward."""
-        return len(self.grads_ready) == self.num_trainable

@@ -1,25 +1,31 @@
-"""Module hooks that drive the boundaries through forward and backward.
+"""Every hook DMuon installs, registered here; each calls into the root state (``state.py``).
 
-The root's hooks open and close one forward pass over the schedule (what this rank did not
-run still joins its collectives at the close) and make backward begin even where no boundary
-ran. A boundary's forward pre-hook makes its dedicated weights current (waiting for the
-scheduled broadcast) and swaps the full-size parameters into their modules; the post-hook
-swaps them back, registers the pre-backward hook on the outputs and, under Z3, frees the
-storage. Backward is driven by tensor hooks (pre-backward re-broadcast) and per-parameter
-post-accumulate-grad hooks (a boundary's gradients are final); see ``state.py``.
+- the root module's forward pre/post hooks open and close one forward pass over the schedule
+  (what this rank did not run still joins its collectives at the close);
+- each boundary's forward pre/post hooks bring its weights in and out;
+- a post-forward hook on every module with boundaries inside closes their scope (entries of
+  boundaries that did not run there are issued at once);
+- tensor hooks on forward outputs begin a boundary's backward (Z3 re-broadcast) and make the
+  end-of-backward callback be queued even where no boundary ran;
+- post-accumulate-grad hooks on the full-size parameters mark gradients final.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .group import BoundaryGroup
-from .state import DMuonState
+if TYPE_CHECKING:
+    from .group import BoundaryGroup
+    from .state import DMuonState
 
 
 def register_boundary_hooks(
-    state: DMuonState, group: BoundaryGroup, module=None
+    state: DMuonState, group: BoundaryGroup, module: nn.Module | None = None
 ) -> list[RemovableHandle]:
     """Hook ``group`` onto ``module`` (default: its boundary module), replacing earlier hooks.
 
@@ -79,3 +85,30 @@ def register_scope_hooks(
 
         handles.append(modules[path].register_forward_hook(post_forward))
     return handles
+
+
+def register_grad_hooks(state: DMuonState, group: BoundaryGroup) -> None:
+    """On each trainable full-size parameter of ``group``: its gradient is final."""
+    for p in group.params:
+        if p.unsharded.requires_grad:
+
+            def hook(_tensor: torch.Tensor, p=p) -> None:
+                state.grad_accumulated(group, p)
+
+            p.unsharded.register_post_accumulate_grad_hook(hook)
+
+
+def register_pre_backward(output, callback: Callable[[], None]):
+    """Call ``callback()`` when the gradient of any of ``output``'s tensors arrives."""
+    tensors = [
+        t
+        for t in torch.utils._pytree.tree_leaves(output)
+        if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+
+    def hook(grad: torch.Tensor) -> None:
+        callback()
+
+    for t in tensors:
+        t.register_hook(hook)
+    return output

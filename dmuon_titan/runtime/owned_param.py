@@ -1,10 +1,10 @@
 """One dedicated parameter: whole on its owner, empty elsewhere, full-size only while in use.
 
-Ranks form a replicate × shard grid (R × S; plain FSDP is 1 × S). Each matrix has one global
-owner slot (r_o, s_o), the only rank that keeps its optimizer state and updates it. The ranks
-of shard column s_o (one per replica, the owner among them) hold the full master weight and
-broadcast it inside their replica; every other rank holds an empty placeholder (so
-``to_empty`` allocates and ``init_weights`` writes only there).
+Each matrix has one global owner slot (r_o, s_o) of the replicate × shard grid
+(:class:`~dmuon_titan.runtime.mesh.MeshInfo`), the only rank that keeps its optimizer state and
+updates it. The ranks of shard column s_o (one per replica, the owner among them) hold the full
+master weight and broadcast it inside their replica; every other rank holds an empty
+placeholder (so ``to_empty`` allocates and ``init_weights`` writes only there).
 
 Outside a boundary's active window the module holds ``owned`` (master or placeholder). Inside
 it the module holds ``unsharded``: a full-size parameter in the compute dtype whose storage is
@@ -18,6 +18,8 @@ import weakref
 
 import torch
 from torch import nn
+
+from .mesh import MeshInfo
 
 #: Attribute that marks dedicated parameters (owned, placeholder and unsharded alike). FSDP2's
 #: ``fully_shard`` skips every parameter that carries it (see ``runtime/fsdp.py``).
@@ -50,9 +52,7 @@ class DedicatedParam:
         attr: str,
         param: nn.Parameter,
         owner: int,
-        shard_rank: int,
-        replicate_rank: int,
-        shard_size: int,
+        mesh: MeshInfo,
         boundary_index: int,
     ) -> None:
         self.index = index
@@ -62,44 +62,46 @@ class DedicatedParam:
         self.shape = torch.Size(param.shape)
         self.numel = param.numel()
         self.orig_dtype = param.dtype
-        self.owner = owner  # the global slot: replicate index * shard_size + shard index
-        self.owner_replica, self.owner_shard = divmod(owner, shard_size)
+        self.owner = owner  # the global slot (see MeshInfo)
+        self.owner_replica, self.owner_shard = mesh.owner_coordinates(owner)
         #: this rank holds the full master weight (its replica's copy, or the owner's own)
-        self.holds_weight = shard_rank == self.owner_shard
+        self.holds_weight = mesh.holds_weight(owner)
         #: this rank is the global owner: it keeps the optimizer state and steps the matrix
-        self.is_owner = self.holds_weight and replicate_rank == self.owner_replica
+        self.is_owner = owner == mesh.slot
         self.boundary_index = boundary_index
         # Compute and reduce dtypes; FSDP2's MixedPrecisionPolicy of the nearest fully_shard
         # ancestor decides them at lazy init.
         self.param_dtype = param.dtype
         self.reduce_dtype = param.dtype
         if self.holds_weight:
-            self.owned = param
+            self._owned = param
         else:
             # Zero elements but the same trailing dims, so ``fan_in``-style initializers and
             # ``ndim`` checks keep working; ``to_empty`` allocates nothing for it.
-            self.owned = nn.Parameter(
+            self._owned = nn.Parameter(
                 torch.empty((0, *self.shape[1:]), dtype=param.dtype, device=param.device),
                 requires_grad=param.requires_grad,
             )
-            module._parameters[attr] = self.owned
-        setattr(self.owned, OWNER_ATTR, owner)
+            module._parameters[attr] = self._owned
+        setattr(self._owned, OWNER_ATTR, owner)
         _DEDICATED_SLOTS.setdefault(module, set()).add(attr)
         self.unsharded: nn.Parameter | None = None
         #: whether this rank had a gradient when the boundary last packed its gradients
         self.packed_local_grad = False
 
-    def adopt_registered(self) -> None:
-        """Follow the module's parameter if ``nn.Module._apply`` replaced it.
+    @property
+    def owned(self) -> nn.Parameter:
+        """The master weight on its owner's shard column, the empty placeholder elsewhere:
+        whatever the module's slot holds outside the boundary's active window.
 
         ``to_empty``/``.to()`` from the meta device create new ``Parameter`` objects (a meta
         tensor cannot be re-pointed at real storage); the slot, not the object, is what is
-        dedicated. Anything but a same-shaped replacement is an error.
+        dedicated, so a same-shaped replacement is followed here. Anything else is an error.
         """
         current = self.module._parameters.get(self.attr)
-        if current is self.owned or (current is not None and current is self.unsharded):
-            return
-        expected = self.shape if self.holds_weight else self.owned.shape
+        if current is self._owned or (current is not None and current is self.unsharded):
+            return self._owned
+        expected = self.shape if self.holds_weight else self._owned.shape
         if current is None or tuple(current.shape) != tuple(expected):
             raise RuntimeError(
                 f"dedicated parameter {self.fqn!r} was replaced on its module after "
@@ -107,8 +109,16 @@ class DedicatedParam:
                 f"(expected {tuple(expected)}); modify it in place (e.g. with .copy_()) instead"
             )
         setattr(current, OWNER_ATTR, self.owner)
-        self.owned = current
+        self._owned = current
         self.orig_dtype = current.dtype
+        return current
+
+    def resolve_dtypes(self, policy) -> None:
+        """Compute and reduce dtypes from FSDP2's ``MixedPrecisionPolicy`` (``None``: none):
+        compute in ``param_dtype``, reduce in ``reduce_dtype`` (default: the compute dtype);
+        the owner's master and optimizer state stay in the original dtype."""
+        self.param_dtype = (policy.param_dtype if policy else None) or self.orig_dtype
+        self.reduce_dtype = (policy.reduce_dtype if policy else None) or self.param_dtype
 
     def check_materialized(self) -> None:
         if self.holds_weight and self.owned.is_meta:

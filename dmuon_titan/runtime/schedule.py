@@ -151,5 +151,3 @@ class BackwardCursor:
 
     unshard_issued: int = 0
     reduce_issued: int = 0
-    #: boundaries whose reduce has been issued (their backward is over on this rank)
-    reduced: set[int] = field(default_factory=set)

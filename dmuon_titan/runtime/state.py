@@ -1,9 +1,11 @@
-"""Per-model DMuon runtime state: the groups, the collectives, the schedule, one step's
-bookkeeping.
+"""The root state of one model on this rank: lazy init, the step's schedule, the end of backward.
 
 Every collective of a step is issued in the order of the rank-consistent
-:class:`~dmuon_titan.runtime.schedule.Schedule`, decided by the plan and the recorded forward
-order, never by which boundaries this rank's data happened to run (see ``schedule.py``).
+:class:`~dmuon_titan.runtime.schedule.Schedule`, decided by the plan and the forward order
+recorded on all ranks, never by which boundaries this rank's data happened to run (see
+``schedule.py``). The root walks the schedule and decides *when*; each
+:class:`~dmuon_titan.runtime.group.BoundaryGroup` does *what* its lifecycle needs. The hooks
+that call in here are registered in ``hooks.py``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
+from ..options import DedicateOptions
 from ..plan import Plan
+from . import hooks
+from .bucket import PendingReduce, finalize
 from .collectives import Collectives
-from .group import BoundaryGroup, PendingReduce, UnshardState
+from .group import BoundaryGroup, TrainingState, UnshardState
 from .owned_param import DedicatedParam
 from .schedule import (
     BackwardCursor,
@@ -49,26 +54,20 @@ class DMuonState:
         params: list[DedicatedParam],
         groups: list[BoundaryGroup],
         comm: Collectives,
-        reshard_after_forward: bool,
-        replicate_async: bool = True,
+        options: DedicateOptions,
     ) -> None:
         self.root = root
         self.plan = plan
         self.params = params
         self.groups = groups
         self.comm = comm
-        self.reshard_after_forward = reshard_after_forward
+        self.mesh = comm.mesh
+        self.options = options
+        self.reshard_after_forward = options.reshard_after_forward
         self.requires_gradient_sync = True
-        self.replicate_async = replicate_async
-        self.shard_rank, self.replicate_rank = comm.ranks["shard"], comm.ranks["replicate"]
-        self.shard_size, self.replicate_size = comm.shard_size, comm.replicate_size
-        #: this rank's slot in the plan, and the number of slots (the data-parallel world)
-        self.rank = self.replicate_rank * self.shard_size + self.shard_rank
-        self.world_size = self.shard_size * self.replicate_size
         # Summed gradients are divided by this (FSDP2's gradient divide factor): the world size
         # averages; 1.0 sums, for losses already normalized globally (torchtitan does that).
-        self.gradient_divide_factor = float(self.world_size)
-        self.device = comm.device
+        self.gradient_divide_factor = float(self.mesh.world_size)
         #: the order every rank issues the step's collectives in: plan order for the first
         #: step, the forward order recorded on all ranks after it
         self.schedule = plan_order_schedule(len(groups))
@@ -86,6 +85,10 @@ class DMuonState:
         #: stays 0 while every owner has its own gradient for every matrix it owns
         self.presence_syncs = 0
 
+    @property
+    def device(self) -> torch.device:
+        return self.mesh.device
+
     # ------------------------------------------------------------------ setup
     def lazy_init(self) -> None:
         """First use: check registration, resolve mixed precision, build buffers and hooks."""
@@ -95,28 +98,16 @@ class DMuonState:
         for module in self.root.modules():
             for child in module.children():
                 parents[child] = module
-        self.adopt_registered()
         for p in self.params:
             p.check_materialized()
-            policy = _nearest_mp_policy(p.module, parents)
-            # FSDP2 semantics: compute in param_dtype, reduce in reduce_dtype (default: the
-            # compute dtype); the owner's master and optimizer state stay in orig_dtype.
-            p.param_dtype = (policy.param_dtype if policy else None) or p.orig_dtype
-            p.reduce_dtype = (policy.reduce_dtype if policy else None) or p.param_dtype
+            p.resolve_dtypes(_nearest_mp_policy(p.module, parents))
         for group in self.groups:
-            group.lazy_init(self.device)
-            for p in group.params:
-                if p.unsharded.requires_grad:
-                    p.unsharded.register_post_accumulate_grad_hook(_make_grad_hook(self, group, p))
+            group.lazy_init()
+            hooks.register_grad_hooks(self, group)
         self._initialized = True
         # Each replica's column rank ran init_weights with its own random stream: from here
         # on every copy is the global owner's.
         self.ensure_replicas_synced()
-
-    def adopt_registered(self) -> None:
-        """Track parameters that ``to_empty``/``.to()`` replaced on their modules."""
-        for p in self.params:
-            p.adopt_registered()
 
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self) -> None:
@@ -133,7 +124,7 @@ class DMuonState:
         training = self._pass.training
         self._end_forward_pass()
         if training:  # so that backward begins here even where no boundary ran
-            output = _register_pre_backward(output, self._begin_backward)
+            output = hooks.register_pre_backward(output, self._begin_backward)
         return output
 
     def pre_forward(self, group: BoundaryGroup) -> None:
@@ -141,8 +132,8 @@ class DMuonState:
         if in_backward():  # activation-checkpoint recompute: backward's turn for the boundary
             self._begin_backward()
             self._reach_in_backward(group)
-            self._ensure_current(group, "recompute")
-            group.install()
+            self._ensure_scheduled(group, "recompute")
+            group.recompute()
             return
         cursor = self._forward_pass()
         if cursor.training:
@@ -155,20 +146,17 @@ class DMuonState:
             cursor.consumed = entry + 1
             if self.schedule.recorded:
                 self._issue_forward(cursor, cursor.consumed, prefetch=True)
-        self._ensure_current(group, "forward")
-        group.active = True
-        group.install()
+        self._ensure_scheduled(group, "forward")
+        group.pre_forward()
 
     def post_forward(self, group: BoundaryGroup, output):
-        group.uninstall()
-        group.active = False
         if in_backward():
-            return output  # recompute inside backward: the backward is about to use them
+            group.end_recompute()  # the backward is about to use the weights
+            return output
+        group.post_forward(free=not group.held_for_backward)  # Z2 keeps them for backward
         cursor = self._forward_pass()
         if cursor.training:
-            output = _register_pre_backward(output, lambda: self.pre_backward(group))
-        if not group.held_for_backward:
-            group.reshard()  # Z3, or a forward without grad: free after use
+            output = hooks.register_pre_backward(output, lambda: self.pre_backward(group))
         if self.schedule.recorded:  # a prefetch may have waited for this boundary
             self._issue_forward(cursor, cursor.consumed, prefetch=True)
         return output
@@ -208,12 +196,10 @@ class DMuonState:
                     "(a nested or recursive call); DMuon cannot serve it: make it a hook "
                     "boundary of its own that is not called from inside itself"
                 )
-            if group.held_for_backward:
-                pass  # Z2: current since this step's first training forward
-            else:
+            if not group.held_for_backward:  # (Z2: current since this step's first forward)
                 if cursor.training and not self.reshard_after_forward:
                     group.held_for_backward = True
-                group.unshard(self.comm, "forward", refresh=True)
+                group.unshard("forward", refresh=True)
             cursor.issued += 1
 
     def _end_forward_pass(self) -> None:
@@ -229,24 +215,23 @@ class DMuonState:
             if not (group.held_for_backward or group.active):
                 group.reshard()
 
-    def _ensure_current(self, group: BoundaryGroup, phase: str) -> None:
-        """Make ``group``'s full-size weights current on this rank, waiting for what the
-        schedule issued. A boundary with no entry left (run more often than scheduled) is
-        served only in the first step, while the order is still being recorded."""
-        if group.unshard_state is UnshardState.FREED:
-            if self.schedule.recorded:
-                raise ScheduleError(
-                    f"DMuon: {group.name} ran again after its last scheduled use "
-                    f"(phase {phase}); the forward order recorded in the first step has it "
-                    f"{self.schedule.forward.count(group.index)} time(s) per forward. A "
-                    "boundary must run at most as often per forward, on every rank, as in "
-                    "the first step: call it a fixed number of times, or run the first step "
-                    "with every boundary used"
-                )
-            group.unshard(self.comm, phase)
-            if phase == "forward" and self._forward_pass().training:
-                group.held_for_backward = not self.reshard_after_forward
-        group.wait_unshard()
+    def _ensure_scheduled(self, group: BoundaryGroup, phase: str) -> None:
+        """``group``'s full-size weights must have been scheduled (issued) by now. A boundary
+        with no entry left (run more often than scheduled) is served only in the first step,
+        while the order is still being recorded."""
+        if group.unshard_state is not UnshardState.FREED:
+            return
+        if self.schedule.recorded:
+            raise ScheduleError(
+                f"DMuon: {group.name} ran again after its last scheduled use (phase {phase}); "
+                "the forward order recorded in the first step has it "
+                f"{self.schedule.forward.count(group.index)} time(s) per forward. A boundary "
+                "must run at most as often per forward, on every rank, as in the first step: "
+                "call it a fixed number of times per forward"
+            )
+        group.unshard(phase)
+        if phase == "forward" and self._forward_pass().training:
+            group.held_for_backward = not self.reshard_after_forward
 
     # ------------------------------------------------------------------ backward
     def _begin_backward(self) -> None:
@@ -260,10 +245,11 @@ class DMuonState:
 
     def pre_backward(self, group: BoundaryGroup) -> None:
         self._begin_backward()
-        if group.index in self._backward.reduced:
+        if group.training_state is TrainingState.POST_BACKWARD:
             return  # a late output gradient: the boundary's own backward is over
         self._reach_in_backward(group)
-        self._ensure_current(group, "backward_unshard")
+        self._ensure_scheduled(group, "backward_unshard")
+        group.pre_backward()
         self._advance_reduces()
 
     def _reach_in_backward(self, group: BoundaryGroup) -> None:
@@ -284,9 +270,7 @@ class DMuonState:
         while cursor.unshard_issued < len(order) and (
             cursor.unshard_issued <= upto or order[cursor.unshard_issued] not in self.ran_this_step
         ):
-            self.groups[order[cursor.unshard_issued]].unshard(
-                self.comm, "backward_unshard", refresh=True
-            )
+            self.groups[order[cursor.unshard_issued]].unshard("backward_unshard", refresh=True)
             cursor.unshard_issued += 1
 
     def grad_accumulated(self, group: BoundaryGroup, param: DedicatedParam) -> None:
@@ -301,19 +285,14 @@ class DMuonState:
         cursor, order = self._backward, self.schedule.reduce
         while cursor.reduce_issued < len(order):
             group = self.groups[order[cursor.reduce_issued]]
-            final = (
-                self._ending_backward or group.index not in self.ran_this_step or group.grads_final
-            )
-            if not final:
+            ran = group.index in self.ran_this_step
+            if not (self._ending_backward or not ran or group.grads_final):
                 return
-            if self.requires_gradient_sync:
-                self._pending_reduces.extend(group.reduce_grads(self.comm))
-            if group.index in self.ran_this_step:
-                # (A re-broadcast this rank only joined is freed at the end of backward:
-                # waiting for it here could block on a peer that is not there yet.)
-                group.reshard()
-            group.held_for_backward = False
-            cursor.reduced.add(group.index)
+            # A re-broadcast this rank only joined is freed at the end of backward: waiting
+            # for it here could block on a peer that is not there yet.
+            self._pending_reduces.extend(
+                group.post_backward(sync=self.requires_gradient_sync, free=ran)
+            )
             cursor.reduce_issued += 1
 
     def _end_of_backward(self) -> None:
@@ -323,7 +302,7 @@ class DMuonState:
                 self._issue_backward_unshards(len(self.schedule.backward_unshard) - 1)
             self._advance_reduces()
             for group in self.groups:
-                group.reshard()  # re-broadcasts this rank only joined, unused prefetches
+                group.end_backward()  # frees re-broadcasts this rank only joined, prefetches
             self.finalize_reduces()
             if not self.schedule.recorded:
                 # Every rank's first backward ends here: one gather of the recorded orders.
@@ -334,61 +313,24 @@ class DMuonState:
             self._ending_backward = False
             self._backward = None
             self.ran_this_step.clear()
-            for group in self.groups:
-                group.reset_step()
 
     def finalize_reduces(self) -> None:
-        """Wait for issued reduces; global owners turn them into ``owned.grad``.
-
-        A matrix gets ``grad`` if any rank produced a gradient for it, else keeps ``None``
-        (skipped by the step, as torch.optim does). The owner knows on the host whether it
-        had one itself, which settles it in ordinary training with no synchronization at
-        all. Only for owned matrices the owner had no gradient for (unused on this rank) are
-        the summed presence flags read back: one device-to-host copy, a host synchronization,
-        after everything else has been issued.
-        """
+        """Wait for the issued reduces; owners get ``owned.grad`` (see
+        :func:`~dmuon_titan.runtime.bucket.finalize`)."""
         pending, self._pending_reduces = self._pending_reduces, []
-        pending = [item.complete() for item in pending]  # in issue order, as on every rank
-        for item in pending:
-            for handle in item.handles:
-                handle.wait()
-        owned = [item for item in pending if item.members is not None]
-        if not owned:
-            return
-        grads = [
-            item.bucket.reduced_grads(item.members, item.segment, self.gradient_divide_factor)
-            for item in owned
-        ]
-        unknown = [item for item in owned if not all(p.packed_local_grad for p in item.members)]
-        self.presence_syncs += bool(unknown)
-        flags = iter(
-            torch.cat(
-                [item.segment[item.segment.numel() - len(item.members) :] for item in unknown]
-            ).tolist()
-            if unknown
-            else ()
-        )
-        unknown_ids = {id(item) for item in unknown}
-        for item, item_grads in zip(owned, grads, strict=True):
-            read = id(item) in unknown_ids
-            for p, grad in zip(item.members, item_grads, strict=True):
-                flag = next(flags) if read else None
-                if p.packed_local_grad or (flag is not None and flag > 0):
-                    if p.owned.grad is None:
-                        p.owned.grad = grad
-                    else:
-                        p.owned.grad.add_(grad)
+        if pending:
+            self.presence_syncs += finalize(pending, self.gradient_divide_factor)
 
     # ------------------------------------------------------------------ replicas
     def after_step(self) -> None:
         """Send the owners' updated masters to the other replicas: asynchronously (waited for
         in the next forward of each boundary, hidden behind earlier layers), or right away
         with ``replicate_async=False``."""
-        if self.replicate_size == 1:
+        if self.mesh.replicate_size == 1:
             return
         for group in self.groups:
-            group.broadcast_updates(self.comm)
-        if not self.replicate_async:
+            group.broadcast_updates()
+        if not self.options.replicate_async:
             self.wait_all_replicate_broadcasts()
 
     def wait_all_replicate_broadcasts(self) -> None:
@@ -405,10 +347,10 @@ class DMuonState:
     def sync_replicas(self) -> None:
         """Make every replica's master equal the global owner's, now (after init or a load)."""
         self._replicas_synced = True
-        if self.replicate_size == 1:
+        if self.mesh.replicate_size == 1:
             return
         for group in self.groups:
-            group.broadcast_updates(self.comm)
+            group.broadcast_updates()
         self.wait_all_replicate_broadcasts()
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
@@ -428,26 +370,3 @@ def _nearest_mp_policy(module: nn.Module, parents: dict[nn.Module, nn.Module]):
             return current._get_fsdp_state()._mp_policy
         current = parents.get(current)
     return None
-
-
-def _make_grad_hook(state: DMuonState, group: BoundaryGroup, param: DedicatedParam):
-    def hook(_tensor: torch.Tensor) -> None:
-        state.grad_accumulated(group, param)
-
-    return hook
-
-
-def _register_pre_backward(output, callback):
-    """Call ``callback()`` when the gradient of any of ``output``'s tensors arrives."""
-    tensors = [
-        t
-        for t in torch.utils._pytree.tree_leaves(output)
-        if isinstance(t, torch.Tensor) and t.requires_grad
-    ]
-
-    def hook(grad: torch.Tensor) -> None:
-        callback()
-
-    for t in tensors:
-        t.register_hook(hook)
-    return output

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..muon import DEFAULT_NS_BATCH_NUMEL
 from ..newton_schulz import NS_COEFFICIENT_SETS
+from ..options import DEFAULT_NS_BATCH_NUMEL
 from ..plan.collectives import BOUNDARY_COLLECTIVES
 from ..plan.cost import NS_ALGORITHMS
 from ..update import ADJUST_LR_FNS
