@@ -2,9 +2,9 @@
 
 The owner's step touches every dedicated element a few times outside Newton–Schulz (momentum,
 Nesterov direction, cast to the NS dtype, weight decay, update). On a GPU these passes are
-bandwidth-bound: on the llama3-8B matrix stack (2×H200) writing the direction straight into the
-NS buffer and these two kernels cut the non-NS part of the step from 46–50 to 21–22 ms
-(docs/benchmarks.md). The Triton kernels run for contiguous CUDA tensors when Triton imports;
+bandwidth-bound, so fusing them halves that part of the step (docs/benchmarks.md,
+"Measurements behind code choices"). The Triton kernels run for contiguous CUDA tensors when
+Triton imports;
 everything else takes the eager path, which is the reference: the kernels follow its formulas
 (``torch.lerp``'s two-sided form, the momentum buffer rounded to its dtype before use) and
 differ only in rounding — fp32 contraction, and the update rounds once where ``mul_`` then
@@ -107,8 +107,8 @@ def divide_(matrices: Tensor, norms: Tensor) -> Tensor:
     """``matrices ← matrices / norms`` in place: one matrix (``norms`` 0-d or 1×1) or a 3-D
     batch (``norms`` of shape (B, 1, 1)), as ``Tensor.div_`` rounds it (fp32 division,
     round to nearest, one rounding to the matrices' dtype). Eager ``div_`` broadcasts the
-    per-matrix norm through an unvectorized kernel: on H200 0.17 ms per 4096×14336 bf16
-    matrix, a few % of its Newton–Schulz; fused, one vectorized pass."""
+    per-matrix norm through an unvectorized kernel, a visible share of a matrix's
+    Newton–Schulz; fused, one vectorized pass."""
     batch = matrices.size(0) if matrices.ndim == 3 else 1
     # Elementwise: a transposed view (NS's tall matrices) is divided through its storage.
     storage = matrices if matrices.is_contiguous() else matrices.mT

@@ -25,10 +25,8 @@ from .runtime.state import STATE_ATTR, DMuonState
 from .timing import PhaseTimer
 
 #: Plain NS (cuBLAS, ``ns_algorithm="plain"``) of a matrix this large already runs near the
-#: matmul rate alone, and batching it measured slower (4096×4096 on H200: 88 % of the matmul
-#: rate alone, 79 % as a batch of 8; docs/benchmarks.md), so such matrices are orthogonalized
-#: one at a time. With the symmetric kernel ("gram"/"auto") both measured the same in the
-#: optimizer (round 5 in docs/benchmarks.md), and those stay batched.
+#: matmul rate alone and measured slower batched, so such matrices go one at a time; with the
+#: symmetric kernel ("gram"/"auto") both measured the same and those stay batched (docs/benchmarks.md, "Measurements behind code choices").
 PLAIN_NS_UNBATCHED_NUMEL = 4096 * 4096
 
 
@@ -132,36 +130,7 @@ class Muon(torch.optim.Optimizer):
         muon_params, other_params = self._split_params(model)
         #: names for messages (a parameter of the AdamW group still on the meta device)
         self._names = {id(p): name for name, p in model.named_parameters()}
-        o = options
-        muon_group = {
-            "params": muon_params,
-            "use_muon": True,
-            "lr": o.lr,
-            "momentum": o.momentum,
-            "nesterov": o.nesterov,
-            "ns_coefficients": o.ns_coefficients,
-            "ns_steps": o.ns_steps,
-            "eps": o.eps,
-            "weight_decay": o.weight_decay,
-            "adjust_lr_fn": o.adjust_lr_fn,
-            "ns_dtype": o.ns_dtype,
-        }
-        adamw_group = {
-            "params": other_params,
-            "use_muon": False,
-            "lr": o.adamw_lr,
-            "betas": o.adamw_betas,
-            "eps": o.adamw_eps,
-            "weight_decay": o.adamw_weight_decay,
-            "amsgrad": False,
-            "maximize": False,
-            "foreach": o.adamw_foreach,
-            "fused": o.adamw_fused,
-            "capturable": False,
-            "differentiable": False,
-            "decoupled_weight_decay": True,
-        }
-        super().__init__([muon_group, adamw_group], {})
+        super().__init__(_param_groups(options, muon_params, other_params), {})
         device = self._dmuon.device if self._dmuon else next(model.parameters()).device
         #: Per-step phase times ("optimizer", "ns", "adamw"); read with :meth:`step_timings`.
         self.timer = PhaseTimer(device)
@@ -371,6 +340,41 @@ class Muon(torch.optim.Optimizer):
                     self.state[p]["momentum_buffer"] = torch.zeros_like(
                         p, memory_format=torch.preserve_format
                     )
+
+
+def _param_groups(options: MuonOptions, muon_params: list, other_params: list) -> list[dict]:
+    """``[Muon group, AdamW group]``: the hyper-parameters torch's LR schedulers and state
+    dicts see (keys as ``torch.optim.Muon``'s and ``torch.optim.AdamW``'s)."""
+    o = options
+    muon_group = {
+        "params": muon_params,
+        "use_muon": True,
+        "lr": o.lr,
+        "momentum": o.momentum,
+        "nesterov": o.nesterov,
+        "ns_coefficients": o.ns_coefficients,
+        "ns_steps": o.ns_steps,
+        "eps": o.eps,
+        "weight_decay": o.weight_decay,
+        "adjust_lr_fn": o.adjust_lr_fn,
+        "ns_dtype": o.ns_dtype,
+    }
+    adamw_group = {
+        "params": other_params,
+        "use_muon": False,
+        "lr": o.adamw_lr,
+        "betas": o.adamw_betas,
+        "eps": o.adamw_eps,
+        "weight_decay": o.adamw_weight_decay,
+        "amsgrad": False,
+        "maximize": False,
+        "foreach": o.adamw_foreach,
+        "fused": o.adamw_fused,
+        "capturable": False,
+        "differentiable": False,
+        "decoupled_weight_decay": True,
+    }
+    return [muon_group, adamw_group]
 
 
 def ns_chunks(

@@ -157,9 +157,8 @@ def zeropower_via_newtonschulz(
 
 
 #: Gram NS computes its symmetric products in this many row panels (``symmetric_matmul``)
-#: when the short side is at least ``SYMMETRIC_PANELS_MIN_SIDE``. Measured on H200
-#: (docs/benchmarks.md): 4 panels make 4096×14336 Gram NS 11 % faster, but slow m = 1024 down
-#: (panels of 256 rows are far from the matmul rate).
+#: when the short side is at least ``SYMMETRIC_PANELS_MIN_SIDE``: panels pay off on large
+#: matrices only, smaller panels being far from the matmul rate (docs/benchmarks.md, "Measurements behind code choices").
 SYMMETRIC_PANELS = 4
 SYMMETRIC_PANELS_MIN_SIDE = 4096
 
@@ -243,7 +242,7 @@ def orthogonalize(
             overwrite_input=overwrite_input,
             symmetric_kernel=kernel,
         )
-    # Plain NS without panels: on 4096x4096 (H200) 4 panels measured 5 % slower one at a time.
+    # Plain NS without panels: they measured slower on its shapes (docs/benchmarks.md, "Measurements behind code choices").
     return zeropower_via_newtonschulz(
         matrix,
         coefficients,

@@ -10,7 +10,7 @@ key (``dmuon_titan/titan/config.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -149,6 +149,7 @@ class MuonOptions:
         except ValueError as err:
             raise check.fail("ns_coefficients", f"is not usable: {err}") from None
 
-    @property
-    def coefficient_schedule(self) -> tuple[Coefficients, ...]:
-        return normalize_coefficients(self.ns_coefficients)
+
+def options_kwargs(options: DedicateOptions | MuonOptions) -> dict[str, Any]:
+    """The options as keyword arguments of the function they belong to."""
+    return {f.name: getattr(options, f.name) for f in fields(options)}

@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if ! python3 -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
-python3 -m dmuon_titan.titan.data --out outputs/assets/tokenizer
+python3 -m dmuon_titan.toy --out outputs/assets/tokenizer
 exec torchrun --standalone --nproc_per_node="$NPROC" --local-ranks-filter 0 --role rank --tee 3 \
   -m torchtitan.train \
   --job.config_file "$CONFIG" "$@"

@@ -71,8 +71,8 @@ def ns_algorithm_for(shape: Sequence[int], algorithm: str, ns_steps: int = 5) ->
 
 def orthogonalize_flops(shape: Sequence[int], algorithm: str = "plain", ns_steps: int = 5) -> int:
     """FLOPs of :func:`orthogonalize` by ``algorithm`` on a matrix of ``shape``, counting every
-    product in full (the owner partition's cost model: on the 8B shapes these track measured NS
-    time within ~1.5×, where plain-NS FLOPs overstate the FFN matrices' Gram NS by 1.4×)."""
+    product in full: the owner partition's cost model, which should follow the time of the
+    algorithm that runs (docs/benchmarks.md, "Measurements behind code choices")."""
     if ns_algorithm_for(shape, algorithm, ns_steps) == "gram":
         return gram_ns_flops(shape, ns_steps)
     return ns_flops(shape, ns_steps)

@@ -21,9 +21,10 @@ from torch import nn
 
 from .mesh import MeshInfo
 
-#: Attribute that marks dedicated parameters (owned, placeholder and unsharded alike). FSDP2's
-#: ``fully_shard`` skips every parameter that carries it (see ``runtime/fsdp.py``).
-OWNER_ATTR = "_dedicated_owner_rank"
+#: Attribute that marks dedicated parameters (owned, placeholder and unsharded alike): their
+#: :class:`DedicatedParam`. FSDP2's ``fully_shard`` skips every parameter that carries it (see
+#: ``runtime/fsdp.py``).
+DEDICATED_ATTR = "_dmuon_dedicated"
 
 
 # module -> names of its dedicated parameter slots. The slot is what is dedicated: the object
@@ -32,7 +33,12 @@ _DEDICATED_SLOTS: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakK
 
 
 def is_dedicated(param: torch.Tensor) -> bool:
-    return hasattr(param, OWNER_ATTR)
+    return hasattr(param, DEDICATED_ATTR)
+
+
+def dedicated_of(param: torch.Tensor) -> DedicatedParam | None:
+    """The :class:`DedicatedParam` behind a dedicated parameter tensor, else ``None``."""
+    return getattr(param, DEDICATED_ATTR, None)
 
 
 def dedicated_params_of(module: nn.Module) -> list[torch.Tensor]:
@@ -69,6 +75,8 @@ class DedicatedParam:
         #: this rank is the global owner: it keeps the optimizer state and steps the matrix
         self.is_owner = owner == mesh.slot
         self.boundary_index = boundary_index
+        #: the model's runtime state (a weak reference; set when the state is built)
+        self.state_ref = None
         # Compute and reduce dtypes; FSDP2's MixedPrecisionPolicy of the nearest fully_shard
         # ancestor decides them at lazy init.
         self.param_dtype = param.dtype
@@ -83,7 +91,7 @@ class DedicatedParam:
                 requires_grad=param.requires_grad,
             )
             module._parameters[attr] = self._owned
-        setattr(self._owned, OWNER_ATTR, owner)
+        setattr(self._owned, DEDICATED_ATTR, self)
         _DEDICATED_SLOTS.setdefault(module, set()).add(attr)
         self.unsharded: nn.Parameter | None = None
         #: whether this rank had a gradient when the boundary last packed its gradients
@@ -108,7 +116,7 @@ class DedicatedParam:
                 f"dedicate_params() by {None if current is None else tuple(current.shape)} "
                 f"(expected {tuple(expected)}); modify it in place (e.g. with .copy_()) instead"
             )
-        setattr(current, OWNER_ATTR, self.owner)
+        setattr(current, DEDICATED_ATTR, self)
         self._owned = current
         self.orig_dtype = current.dtype
         return current
@@ -132,7 +140,7 @@ class DedicatedParam:
         self.unsharded = nn.Parameter(
             flat_view.view(self.shape), requires_grad=self.owned.requires_grad
         )
-        setattr(self.unsharded, OWNER_ATTR, self.owner)
+        setattr(self.unsharded, DEDICATED_ATTR, self)
 
     def install(self) -> None:
         self.module._parameters[self.attr] = self.unsharded

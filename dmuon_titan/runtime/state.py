@@ -10,6 +10,8 @@ that call in here are registered in ``hooks.py``.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.autograd import Variable
@@ -59,6 +61,8 @@ class DMuonState:
         self.root = root
         self.plan = plan
         self.params = params
+        for p in params:
+            p.state_ref = weakref.ref(self)
         self.groups = groups
         self.comm = comm
         self.mesh = comm.mesh

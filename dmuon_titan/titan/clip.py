@@ -9,17 +9,18 @@ import functools
 import torchtitan.distributed.utils as dist_utils
 
 from ..clip import clip_grad_norm_ as dmuon_clip_grad_norm_
-from ..runtime.state import STATE_ATTR
+from ..runtime.owned_param import dedicated_of
 
 _stock = dist_utils.clip_grad_norm_
 
 
-def _dmuon_model_for(parameters, models):
-    ids = {id(p) for p in parameters}
-    for model in models:
-        state = getattr(model, STATE_ATTR)
-        if any(id(p.owned) in ids for p in state.params):
-            return model
+def _dmuon_model_for(parameters):
+    """The model whose dedicated matrices are among ``parameters``, if any."""
+    for p in parameters:
+        dedicated = dedicated_of(p)
+        state = dedicated.state_ref() if dedicated is not None and dedicated.state_ref else None
+        if state is not None:
+            return state.root
     return None
 
 
@@ -33,10 +34,8 @@ def clip_grad_norm_(
     pp_mesh=None,
     ep_enabled=False,
 ):
-    from .converter import ACTIVE
-
     parameters = list(parameters)
-    model = _dmuon_model_for(parameters, ACTIVE.get("models", []))
+    model = _dmuon_model_for(parameters)
     if model is None:
         return _stock(
             parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled

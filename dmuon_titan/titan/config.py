@@ -9,14 +9,14 @@ or command line); a bad value exits with one line naming the key.
 
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from ..newton_schulz import NS_COEFFICIENT_SETS
-from ..options import DEFAULT_NS_BATCH_NUMEL
-from ..plan.collectives import BOUNDARY_COLLECTIVES
-from ..plan.cost import NS_ALGORITHMS
+from ..options import DEFAULT_NS_BATCH_NUMEL, DedicateOptions, MuonOptions, OptionError
+from ..plan.partition import DEFAULT_SMALL_PARAM_NUMEL
 from ..update import ADJUST_LR_FNS
 
 
@@ -96,9 +96,8 @@ class DMuon:
 
     ns_dtype: str = "bfloat16"
     """dtype the Newton-Schulz iterations run in: "bfloat16" (torch.optim.Muon's), "float16"
-    (3 more mantissa bits: about 8x smaller NS error; the direction is normalized before the
-    cast, a few % slower; see docs/benchmarks.md),
-    "float32" or "float64"."""
+    (3 more mantissa bits: a smaller NS error; the direction is normalized before the cast,
+    an extra pass; docs/benchmarks.md), "float32" or "float64"."""
 
     ns_algorithm: str = "plain"
     """How Newton-Schulz is computed: "plain" (torch.optim.Muon's iteration), "gram" (the same
@@ -116,7 +115,7 @@ class DMuon:
     """Per-matrix lr scaling: "match_rms_adamw" (0.2*sqrt(max(rows, cols))) or "original"
     (sqrt(max(1, rows/cols)))."""
 
-    small_param_numel: int = 65536
+    small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL
     """Matrices with at most this many elements are packed per block onto one owner."""
 
     ns_batch_numel: int = DEFAULT_NS_BATCH_NUMEL
@@ -131,65 +130,68 @@ class DMuon:
     def torch_ns_dtype(self) -> torch.dtype:
         return NS_DTYPES[self.ns_dtype]
 
+    def dedicate_options(self) -> DedicateOptions:
+        """The ``dedicate_params`` options these fields set."""
+        return DedicateOptions(
+            reshard_after_forward=self.reshard_after_forward,
+            replicate_async=self.replicate_async,
+            small_param_numel=self.small_param_numel,
+            ns_algorithm=self.ns_algorithm,
+            collectives=self.collectives,
+        )
+
+    def muon_options(self, optimizer) -> MuonOptions:
+        """Muon's hyper-parameters: these fields, with defaults and the AdamW part from
+        ``[optimizer]`` (``optimizer``, torchtitan's section)."""
+        return MuonOptions(
+            lr=optimizer.lr if self.lr is None else self.lr,
+            momentum=self.momentum,
+            nesterov=self.nesterov,
+            ns_coefficients=self.ns_coefficients,
+            ns_steps=self.ns_steps,
+            eps=self.ns_eps,
+            weight_decay=optimizer.weight_decay if self.weight_decay is None else self.weight_decay,
+            adjust_lr_fn=self.adjust_lr_fn,
+            ns_dtype=self.torch_ns_dtype,
+            adamw_lr=optimizer.lr,
+            adamw_betas=(optimizer.beta1, optimizer.beta2),
+            adamw_eps=optimizer.eps,
+            adamw_weight_decay=optimizer.weight_decay,
+            adamw_foreach=optimizer.implementation == "foreach",
+            adamw_fused=optimizer.implementation == "fused",
+            ns_batch_numel=self.ns_batch_numel,
+            ns_algorithm=self.ns_algorithm,
+        )
+
+
+#: [dmuon] keys whose option has another name
+_KEY_OF_OPTION = {"eps": "ns_eps"}
+
 
 def _fail(key: str, value: Any, why: str) -> ConfigError:
     return ConfigError(f"[dmuon] {key} = {value!r}: {why}")
 
 
 def validate(cfg: DMuon) -> None:
-    """Check every field's type and range; raise ConfigError naming the first bad key."""
-
-    def number(key: str, low: float | None = None, low_open: bool = False, high_open=None):
-        value = getattr(cfg, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _fail(key, value, "must be a number")
-        if low is not None and (value < low or (low_open and value == low)):
-            raise _fail(key, value, f"must be {'>' if low_open else '>='} {low}")
-        if high_open is not None and value >= high_open:
-            raise _fail(key, value, f"must be < {high_open}")
+    """Check every field; raise ConfigError naming the first bad key. The fields that are
+    ``dedicate_params``/``Muon`` options are checked by those options' own validation."""
 
     def choice(key: str, options) -> None:
         value = getattr(cfg, key)
         if value not in options:
             raise _fail(key, value, f"must be one of {list(options)}")
 
-    def boolean(key: str) -> None:
-        if not isinstance(getattr(cfg, key), bool):
-            raise _fail(key, getattr(cfg, key), "must be true or false")
-
     choice("mode", MODES)
     choice("hook_boundary", HOOK_BOUNDARIES)
-    choice("ns_coefficients", NS_COEFFICIENT_SETS)
+    choice("ns_coefficients", NS_COEFFICIENT_SETS)  # by name here
     choice("ns_dtype", NS_DTYPES)
-    choice("ns_algorithm", NS_ALGORITHMS)
-    choice("collectives", BOUNDARY_COLLECTIVES)
     choice("adjust_lr_fn", [f for f in ADJUST_LR_FNS if f is not None])
-    boolean("reshard_after_forward")
-    boolean("replicate_async")
-    boolean("nesterov")
-    number("momentum", 0.0, high_open=1.0)
-    number("ns_eps", 0.0, low_open=True)
-    for key in ("lr", "weight_decay"):
-        if getattr(cfg, key) is not None:
-            number(key, 0.0)
-    if (
-        isinstance(cfg.ns_steps, bool)
-        or not isinstance(cfg.ns_steps, int)
-        or not 1 <= cfg.ns_steps < 100
-    ):
-        raise _fail("ns_steps", cfg.ns_steps, "must be an integer in [1, 100)")
-    if (
-        isinstance(cfg.small_param_numel, bool)
-        or not isinstance(cfg.small_param_numel, int)
-        or cfg.small_param_numel < 0
-    ):
-        raise _fail("small_param_numel", cfg.small_param_numel, "must be an integer >= 0")
-    if (
-        isinstance(cfg.ns_batch_numel, bool)
-        or not isinstance(cfg.ns_batch_numel, int)
-        or cfg.ns_batch_numel < 0
-    ):
-        raise _fail("ns_batch_numel", cfg.ns_batch_numel, "must be an integer >= 0")
+    for key in ("lr", "weight_decay"):  # None: taken from [optimizer]
+        value = getattr(cfg, key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+        ):
+            raise _fail(key, value, "must be a number >= 0")
     if (
         not isinstance(cfg.params, list)
         or not cfg.params
@@ -201,6 +203,15 @@ def validate(cfg: DMuon) -> None:
             re.compile(pattern)
         except re.error as err:
             raise _fail("params", pattern, f"is not a valid regular expression ({err})") from None
+    placeholder = SimpleNamespace(
+        lr=0.0, weight_decay=0.0, beta1=0.9, beta2=0.95, eps=1e-8, implementation="fused"
+    )
+    try:
+        cfg.dedicate_options()
+        cfg.muon_options(placeholder)
+    except OptionError as err:
+        key = _KEY_OF_OPTION.get(err.field, err.field)
+        raise _fail(key, err.value, err.why) from None
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -16,11 +17,26 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
 from ..api import clean_fqn, dedicate_params, summarize_plan
+from ..options import options_kwargs
 from ..plan.cost import orthogonalize_flops
 from .config import ConfigError
 
-#: The job being trained in this process (the optimizer builder only receives [optimizer]).
-ACTIVE: dict[str, object] = {}
+#: Attribute the converter sets on the model: the optimizer builder only receives
+#: ``[optimizer]`` and the model parts, so the ``[dmuon]`` settings travel with the model.
+JOB_ATTR = "_dmuon_titan_job"
+
+
+@dataclass(frozen=True)
+class DMuonJob:
+    """What the converter decided for a model, for the optimizer builder."""
+
+    config: object  # the [dmuon] section
+    predicate: object  # (fqn, param) -> bool: the Muon matrices
+
+
+def job_of(model_parts) -> DMuonJob | None:
+    """The converter's :class:`DMuonJob` for these model parts, or ``None``."""
+    return next((getattr(m, JOB_ATTR) for m in model_parts if hasattr(m, JOB_ATTR)), None)
 
 
 def check_compatibility(job_config, parallel_dims) -> None:
@@ -107,12 +123,11 @@ class DMuonConverter:
         check_compatibility(job_config, parallel_dims)
         self.job_config = job_config
         self.parallel_dims = parallel_dims
-        ACTIVE["job_config"] = job_config
 
     def convert(self, model: nn.Module) -> None:
         cfg = self.job_config.dmuon
         predicate = param_predicate(cfg.params, model)
-        ACTIVE["predicate"] = predicate
+        setattr(model, JOB_ATTR, DMuonJob(cfg, predicate))
         if cfg.mode == "naive":
             logger.info("DMuon naive mode: every parameter stays on FSDP2")
             return
@@ -123,12 +138,8 @@ class DMuonConverter:
             shard_mesh,
             predicate,
             hook_boundary_predicate=boundary,
-            reshard_after_forward=cfg.reshard_after_forward,
             replicate_mesh=replicate_mesh,
-            replicate_async=cfg.replicate_async,
-            small_param_numel=cfg.small_param_numel,
-            ns_algorithm=cfg.ns_algorithm,
-            collectives=cfg.collectives,
+            **options_kwargs(cfg.dedicate_options()),
         )
         training = self.job_config.training
         summary = summarize_plan(
@@ -136,7 +147,6 @@ class DMuonConverter:
             TORCH_DTYPE_MAP[training.mixed_precision_param],
             TORCH_DTYPE_MAP[training.mixed_precision_reduce],
         )
-        ACTIVE.setdefault("models", []).append(model)
         loads = summary["ns_flops_per_rank"]
         # The yardstick of the benchmarks (T_floor): plain NS of every matrix, whatever runs.
         plain = sum(orthogonalize_flops(p["shape"], "plain") for p in summary["params"])

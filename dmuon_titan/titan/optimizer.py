@@ -14,44 +14,19 @@ from torchtitan.components.optimizer import OptimizersContainer
 
 from ..muon import Muon
 from ..naive import NaiveMuon
+from ..options import options_kwargs
 from ..state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from .config import ConfigError
+from .converter import job_of
 
 _stock_build_optimizers = titan_optimizer.build_optimizers
-
-
-def muon_kwargs(optimizer_config, dmuon_config) -> dict[str, Any]:
-    impl = optimizer_config.implementation
-    return {
-        "lr": optimizer_config.lr if dmuon_config.lr is None else dmuon_config.lr,
-        "momentum": dmuon_config.momentum,
-        "nesterov": dmuon_config.nesterov,
-        "ns_coefficients": dmuon_config.ns_coefficients,
-        "ns_steps": dmuon_config.ns_steps,
-        "eps": dmuon_config.ns_eps,
-        "weight_decay": (
-            optimizer_config.weight_decay
-            if dmuon_config.weight_decay is None
-            else dmuon_config.weight_decay
-        ),
-        "adjust_lr_fn": dmuon_config.adjust_lr_fn,
-        "ns_dtype": dmuon_config.torch_ns_dtype,
-        "adamw_lr": optimizer_config.lr,
-        "adamw_betas": (optimizer_config.beta1, optimizer_config.beta2),
-        "adamw_eps": optimizer_config.eps,
-        "adamw_weight_decay": optimizer_config.weight_decay,
-        "adamw_foreach": impl == "foreach",
-        "adamw_fused": impl == "fused",
-        "ns_batch_numel": dmuon_config.ns_batch_numel,
-        "ns_algorithm": dmuon_config.ns_algorithm,
-    }
 
 
 class DMuonOptimizersContainer(OptimizersContainer):
     """One :class:`dmuon_titan.Muon` (or the naive baseline) per model part."""
 
     def __init__(self, model_parts, optimizer_config, dmuon_config, predicate) -> None:
-        kwargs = muon_kwargs(optimizer_config, dmuon_config)
+        kwargs = options_kwargs(dmuon_config.muon_options(optimizer_config))
         self.model_parts = model_parts
         if dmuon_config.mode == "naive":
             self.optimizers = [NaiveMuon(m, predicate, **kwargs) for m in model_parts]
@@ -82,16 +57,12 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
 def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None):
     """torchtitan's ``build_optimizers_fn``: DMuon for ``name = "DMuon"``, stock otherwise."""
-    from .converter import ACTIVE
-
     if optimizer_config.name != "DMuon":
         return _stock_build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
-    if "job_config" not in ACTIVE:
+    job = job_of(model_parts)
+    if job is None:
         raise ConfigError(
             '[optimizer] name = "DMuon" needs [model] converters = ["dmuon"] (the converter '
             "dedicates the Muon matrices before parallelization)"
         )
-    job_config = ACTIVE["job_config"]
-    return DMuonOptimizersContainer(
-        model_parts, optimizer_config, job_config.dmuon, ACTIVE.get("predicate")
-    )
+    return DMuonOptimizersContainer(model_parts, optimizer_config, job.config, job.predicate)

@@ -1,0 +1,84 @@
+"""Let torchtitan 0.2.2 train on CPU with gloo when no accelerator is present.
+
+torchtitan picks ``device_type = <accelerator> or "cuda"`` once, at import, and copies the
+pair (type, module) into four other modules. Without CUDA we rebind all of them to "cpu" and a
+small device-module shim (``torch.cpu`` lacks the memory-statistics calls the metrics use),
+before the trainer reads them. FSDP2 on gloo also needs sum-only reductions (the plugin's
+``titan/parallelize.py`` sets them).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+from types import SimpleNamespace
+
+import torch
+
+
+class CpuDeviceModule:
+    """``torch.cpu`` plus the device-module calls torchtitan makes (memory stats, names)."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cpu, name)
+
+    def set_device(self, device) -> None:
+        pass
+
+    def current_device(self) -> int:
+        return 0  # an index: torchtitan passes it to barrier(device_ids=[...])
+
+    def device_count(self) -> int:
+        return 1
+
+    def is_available(self) -> bool:
+        return True
+
+    def synchronize(self, device=None) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        pass
+
+    def get_device_name(self, device=None) -> str:
+        return platform.processor() or platform.machine() or "CPU"
+
+    def get_device_properties(self, device=None):
+        return SimpleNamespace(
+            total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        )
+
+    def memory_stats(self, device=None) -> dict[str, int]:
+        # Peak resident memory of this process (Linux reports KiB, macOS bytes).
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak *= 1 if sys.platform == "darwin" else 1024
+        return {
+            "active_bytes.all.peak": peak,
+            "reserved_bytes.all.peak": peak,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+
+def install_cpu_device() -> bool:
+    """Rebind torchtitan's device globals to CPU when CUDA is absent; True if it did."""
+    if torch.cuda.is_available():
+        return False
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.tools.profiling as profiling
+    import torchtitan.tools.utils as tools_utils
+
+    module = CpuDeviceModule()
+    for mod in (tools_utils, dist_utils, metrics):
+        mod.device_type = "cpu"
+        mod.device_module = module
+    parallel_dims.device_type = "cpu"
+    profiling.device_module = module
+    return True

@@ -1,0 +1,308 @@
+"""Training runs shared by the tests: DMuon on N ranks, and the single-process reference.
+
+The reference is what DMuon promises to equal: ``torch.optim.Muon`` on the dedicated matrices
+and ``torch.optim.AdamW`` on everything else, one process, the whole global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import dmuon_titan as dmuon
+
+from .models import (
+    BRANCH_TOKEN,
+    BranchTransformer,
+    MoETransformer,
+    ReuseTransformer,
+    ToyTransformer,
+    dedicated_predicate,
+    loss_fn,
+    moe_boundary,
+    moe_predicate,
+)
+
+MODELS = {
+    "toy": ToyTransformer,
+    "reuse": ReuseTransformer,
+    "branch": BranchTransformer,
+    "moe": MoETransformer,
+}
+#: the Muon matrices of each model (the reference's torch.optim.Muon gets the same)
+PREDICATES = {"moe": moe_predicate}
+#: hook_boundary_predicate per model (default: the layers.N heuristic)
+BOUNDARIES = {"moe": moe_boundary}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = 5
+    batch: int = 24  # global; divisible by 1..4 ranks and, per rank, by 2 micro-batches
+    seq: int = 16
+    vocab: int = 64
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    micro_batches: int = 1  # >1: gradient accumulation under dmuon.no_sync
+    ns_dtype: torch.dtype = torch.float32
+    ns_algorithm: str = "plain"  # DMuon's; the reference is always torch.optim.Muon's plain NS
+    param_dtype: torch.dtype = torch.float32  # the model's (master) dtype
+    small_param_numel: int = 0  # 0: every matrix its own unit (exercise multi-owner boundaries)
+    lr: float = 0.02
+    adamw_lr: float = 3e-3
+    weight_decay: float = 0.1
+    adjust_lr_fn: str | None = None
+    ns_coefficients: tuple = (3.4445, -4.7750, 2.0315)
+    mixed_precision: bool = False
+    max_norm: float | None = None  # clip gradients by the global norm before each step
+    model: str = "toy"  # a key of MODELS
+    meta_init: bool = True
+    device: str = "cpu"
+    compile_backend: str | None = None  # torch.compile each block (fullgraph) with this backend
+    replicate: int = 1  # HSDP replicas: ranks form a (replicate, shard) grid
+    ddp: bool = False  # dedicate_params(mesh=None, replicate_mesh=all ranks): replication only
+    replicate_async: bool = True
+    collectives: str = "broadcast"  # dedicate_params(collectives=...): stage-1 layout
+    optimizer_first: bool = False  # build Muon after fully_shard but before to_empty
+
+
+#: MoE data: the expert residues (token % 4) each block of rows may use. Whatever the world
+#: size (1-4, 24 rows), every rank's rows miss one of experts 0-2, and no row uses expert 3.
+MOE_ROW_EXPERTS = ((range(0, 8), (1, 2)), (range(8, 16), (2,)), (range(16, 24), (0, 2)))
+#: branch data: only these rows start with BRANCH_TOKEN (so only the first rank's slice)
+BRANCH_ROWS = 6
+
+
+def batch(cfg: RunConfig, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g)
+    if cfg.model == "branch":
+        first = tokens[:, 0]
+        first[first == BRANCH_TOKEN] += 1
+        first[:BRANCH_ROWS] = BRANCH_TOKEN
+    elif cfg.model == "moe":
+        assert cfg.batch == 24 and cfg.vocab % 4 == 0
+        for rows, experts in MOE_ROW_EXPERTS:
+            allowed = torch.tensor(experts)
+            pick = torch.randint(0, len(experts), (len(rows), cfg.seq), generator=g)
+            tokens[rows.start : rows.stop] = (
+                4 * (tokens[rows.start : rows.stop] // 4) + allowed[pick]
+            )
+    return tokens
+
+
+# ---------------------------------------------------------------------- reference
+def ns_in(dtype: torch.dtype):
+    """torch.optim.Muon's Newton–Schulz with its bfloat16 cast replaced by ``dtype``."""
+
+    def zeropower(grad, ns_coefficients, ns_steps, eps):
+        a, b, c = ns_coefficients
+        x = grad.to(dtype)
+        if grad.size(0) > grad.size(1):
+            x = x.T
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        return x.T if grad.size(0) > grad.size(1) else x
+
+    return zeropower
+
+
+def train_reference(
+    cfg: RunConfig, ns_precision: str = "float64", chunks: int = 1
+) -> dict[str, torch.Tensor]:
+    """Single process, whole batch. ``ns_precision``: ``"float64"`` (float64 model and NS),
+    ``"float32"`` (float32 model and NS) or ``"torch"`` (float32 model, ``torch.optim.Muon``
+    exactly as shipped, i.e. bfloat16 NS). ``chunks > 1`` accumulates the same batch in
+    chunks: the same math, summed in another order (a rounding-noise probe)."""
+    dtype = torch.float64 if ns_precision == "float64" else torch.float32
+    model = MODELS[cfg.model](vocab=cfg.vocab)
+    model.init_weights()
+    model.to(dtype)
+    selected = PREDICATES.get(cfg.model, dedicated_predicate)
+    muon_params = [p for n, p in model.named_parameters() if selected(n, p)]
+    other_params = [p for n, p in model.named_parameters() if not selected(n, p)]
+    muon = torch.optim.Muon(
+        muon_params,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        ns_coefficients=cfg.ns_coefficients,
+        adjust_lr_fn=cfg.adjust_lr_fn,
+    )
+    adamw = torch.optim.AdamW(
+        other_params, lr=cfg.adamw_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay
+    )
+    patch = (
+        contextlib.nullcontext()
+        if ns_precision == "torch"
+        else mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", ns_in(dtype))
+    )
+    with patch:
+        for step in range(cfg.steps):
+            tokens = batch(cfg, step)
+            for chunk in tokens.chunk(chunks):
+                (loss_fn(model(chunk), chunk) / chunks).backward()
+            if cfg.max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+            muon.step()
+            adamw.step()
+            muon.zero_grad()
+            adamw.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def initial_state(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    model = MODELS[cfg.model](vocab=cfg.vocab)
+    model.init_weights()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------- DMuon
+def build_dmuon(cfg: RunConfig, world_size: int):
+    """Meta model → dedicate → (AC) → fully_shard → to_empty → init_weights → Muon."""
+    if cfg.replicate > 1 or cfg.ddp:
+        replicas = world_size if cfg.ddp else cfg.replicate
+        grid = init_device_mesh(
+            cfg.device, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard")
+        )
+        fsdp_mesh, shard_mesh, replicate_mesh = grid, grid["shard"], grid["replicate"]
+        if cfg.ddp:
+            shard_mesh = None  # DMuon replicates; FSDP2 (1 shard) all-reduces the rest
+    else:
+        fsdp_mesh = shard_mesh = init_device_mesh(cfg.device, (world_size,))
+        replicate_mesh = None
+    ctx = torch.device("meta") if cfg.meta_init else torch.device(cfg.device)
+    with ctx:
+        model = MODELS[cfg.model](vocab=cfg.vocab).to(cfg.param_dtype)
+    dmuon.dedicate_params(
+        model,
+        shard_mesh,
+        PREDICATES.get(cfg.model, dedicated_predicate),
+        hook_boundary_predicate=BOUNDARIES.get(cfg.model),
+        reshard_after_forward=cfg.reshard_after_forward,
+        replicate_mesh=replicate_mesh,
+        replicate_async=cfg.replicate_async,
+        small_param_numel=cfg.small_param_numel,
+        ns_algorithm=cfg.ns_algorithm,
+        collectives=cfg.collectives,
+    )
+    if cfg.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    if cfg.compile_backend is not None:
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer, backend=cfg.compile_backend, fullgraph=True)
+        assert dmuon.move_hooks_outside_compile(model) == len(model.layers)
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    for layer in model.layers:
+        for expert in getattr(getattr(layer, "moe", None), "experts", ()):
+            fully_shard(expert, mesh=fsdp_mesh, mp_policy=mp)  # the seed's MoE wrapping
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
+    if cfg.optimizer_first:
+        optimizer = build_optimizer(cfg, model)
+    if cfg.meta_init:
+        model.to_empty(device=cfg.device)
+    model.init_weights()
+    if not cfg.optimizer_first:
+        optimizer = build_optimizer(cfg, model)
+    return model, optimizer
+
+
+def build_optimizer(cfg: RunConfig, model) -> dmuon.Muon:
+    return dmuon.Muon(
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        ns_dtype=cfg.ns_dtype,
+        ns_algorithm=cfg.ns_algorithm,
+        ns_coefficients=cfg.ns_coefficients,
+        adjust_lr_fn=cfg.adjust_lr_fn,
+        adamw_lr=cfg.adamw_lr,
+        adamw_betas=(0.9, 0.95),
+        adamw_eps=1e-8,
+        adamw_weight_decay=cfg.weight_decay,
+    )
+
+
+def local_slice(cfg: RunConfig, tokens: torch.Tensor, rank: int, world_size: int):
+    per_rank = cfg.batch // world_size
+    return tokens[rank * per_rank : (rank + 1) * per_rank].to(cfg.device)
+
+
+def train_step(cfg: RunConfig, model, optimizer, step: int, rank: int, world_size: int) -> None:
+    tokens = local_slice(cfg, batch(cfg, step), rank, world_size)
+    chunks = tokens.chunk(cfg.micro_batches)
+    for i, chunk in enumerate(chunks):
+        last = i == len(chunks) - 1
+        with contextlib.nullcontext() if last else dmuon.no_sync(model):
+            (loss_fn(model(chunk), chunk) / len(chunks)).backward()
+    if cfg.max_norm is not None:
+        dmuon.clip_grad_norm_(model, cfg.max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def train_dmuon(rank: int, world_size: int, cfg: RunConfig) -> dict:
+    model, optimizer = build_dmuon(cfg, world_size)
+    for step in range(cfg.steps):
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    return {
+        "weights": dmuon.get_model_state_dict(model),
+        "plan": dmuon.summarize_plan(model),
+    }
+
+
+def train_dmuon_logged(rank: int, world_size: int, cfg: RunConfig):
+    """``train_dmuon`` that also returns, per DMuon process group, (its ranks, every collective
+    this rank issued on it) for the whole run."""
+    model, optimizer = build_dmuon(cfg, world_size)
+    comm = model._dmuon_state.comm
+    comm.log = []
+    calls: dict[str, int] = {}  # forward calls per module of interest (training forwards)
+    for name, module in model.named_modules():
+        name = dmuon.api.clean_fqn(name)
+        if name.endswith((".branch", ".o_proj")) or ".experts." in name:
+            calls[name] = 0
+            module.register_forward_pre_hook(
+                lambda m, a, name=name: (
+                    calls.__setitem__(name, calls[name] + 1) if torch.is_grad_enabled() else None
+                )
+            )
+    for step in range(cfg.steps):
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    logs = {"calls": calls}
+    for kind, group in comm.groups.items():
+        if group is not None:
+            entries = [e for e in comm.log if e[0] == kind]
+            logs[kind] = (tuple(dist.get_process_group_ranks(group)), entries)
+    return dmuon.get_model_state_dict(model), logs
+
+
+def parity_suite(rank: int, world_size: int, configs: list[RunConfig]) -> list[dict]:
+    """Several configurations in one process group (process start-up is the slow part)."""
+    results = []
+    for cfg in configs:
+        weights = train_dmuon(rank, world_size, cfg)["weights"]
+        results.append(weights if rank == 0 else None)
+        dist.barrier()
+    return results
+
+
+def with_(cfg: RunConfig, **changes) -> RunConfig:
+    return replace(cfg, **changes)

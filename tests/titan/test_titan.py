@@ -1,0 +1,401 @@
+"""The torchtitan 0.2.2 plugin, end to end: real ``torchrun`` launches of the toy config on
+CPU ranks (gloo), checkpoints through torchtitan's CheckpointManager and DCP."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torchtitan  # noqa: F401  (a dependency: a failed import must fail, not skip)
+
+REPO = Path(__file__).resolve().parents[2]
+TOY = REPO / "configs" / "toy_dmuon.toml"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    from dmuon_titan.toy.data import ensure_tokenizer
+
+    return ensure_tokenizer(tmp_path_factory.mktemp("assets") / "tokenizer")
+
+
+def torchrun(nproc: int, *args: str, script: str | None = None, timeout: int = 600):
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    target = [script] if script else ["-m", "torchtitan.train"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *target,
+        *args,
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def toy_args(tokenizer_dir, dump: Path, *extra: str) -> list[str]:
+    return [
+        "--job.config_file",
+        str(TOY),
+        "--job.dump_folder",
+        str(dump),
+        "--model.hf_assets_path",
+        str(tokenizer_dir),
+        "--debug.seed",
+        "1234",
+        "--metrics.enable_tensorboard",
+        *extra,
+    ]
+
+
+def tb_scalars(dump: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values: dict[int, float] = {}
+    for events in sorted((dump / "tb").rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            for e in acc.Scalars(tag):
+                values[e.step] = e.value
+    return values
+
+
+def checkpointed_args(total_steps: int, interval: int, validation_freq: int) -> list[str]:
+    """Overrides for a stop-and-resume test: the LR schedule fixed to ``total_steps`` (so a
+    shorter first run follows the same schedule), full checkpoints every ``interval`` steps."""
+    return [
+        "--lr_scheduler.total_steps",
+        str(total_steps),
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        str(interval),
+        "--checkpoint.no-last-save-model-only",
+        "--validation.freq",
+        str(validation_freq),
+    ]
+
+
+def tb_losses(dump: Path) -> dict[int, float]:
+    return tb_scalars(dump, "loss_metrics/global_avg_loss")
+
+
+def read_checkpoint(path: Path, tmp: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{path.parent.parent.name}-{path.name}.pt"
+    dcp_to_torch_save(str(path), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def run_ok(nproc: int, *args: str, **kw) -> str:
+    rc, out = torchrun(nproc, *args, **kw)
+    assert rc == 0, out[-6000:]
+    return out
+
+
+def test_toy_dmuon_trains_checkpoints_and_resumes(tokenizer_dir, tmp_path):
+    """20 steps with falling loss; stop at 10 and resume → steps 11–20 bit-identical to the
+    uninterrupted run; the step-10 checkpoint loads on 1 and 3 ranks with identical weights
+    and momentum, and training continues on 1 rank. (Blocks by all-gather/reduce-scatter
+    where "auto" picks it, so the checkpoint moves between layouts too.)"""
+    common = [
+        *checkpointed_args(total_steps=20, interval=10, validation_freq=10),
+        "--dmuon.collectives",
+        "auto",
+    ]
+    a, b = tmp_path / "a", tmp_path / "b"
+    out = run_ok(2, *toy_args(tokenizer_dir, a, *common, "--training.steps", "20"))
+    assert (
+        "DMuon: 42 matrices on 2 ranks (1 replica x 2 shards), 6 hook boundaries" in out
+    )  # the partition, at start-up
+    assert "by all-gather" in out  # "auto" moved some blocks by all-gather on 2 ranks
+    assert "dmuon step: 20  optimizer:" in out  # the per-step line
+    for tag in ("dmuon/optimizer_ms", "dmuon/ns_ms"):
+        times = tb_scalars(a, tag)
+        assert sorted(times) == list(range(1, 21)) and all(t > 0 for t in times.values()), tag
+    run_ok(2, *toy_args(tokenizer_dir, b, *common, "--training.steps", "10"))
+    out = run_ok(2, *toy_args(tokenizer_dir, b, *common, "--training.steps", "20"))
+    assert "Training starts at step 11" in out
+
+    la, lb = tb_losses(a), tb_losses(b)
+    assert sorted(la) == list(range(1, 21)) and sorted(lb) == list(range(1, 21))
+    first, last = sum(la[s] for s in range(1, 6)) / 5, sum(la[s] for s in range(16, 21)) / 5
+    assert last < first - 0.2, (first, last)
+    assert [la[s] for s in range(11, 21)] == [lb[s] for s in range(11, 21)]
+
+    ca = read_checkpoint(a / "checkpoint" / "step-20", tmp_path)
+    cb = read_checkpoint(b / "checkpoint" / "step-20", tmp_path)
+    model_keys = [k for k, v in ca.items() if isinstance(v, torch.Tensor)]
+    assert "layers.0.attention.wq.weight" in model_keys
+    for k in model_keys:
+        assert torch.equal(ca[k], cb[k]), k
+    momentum = [k for k in ca["optimizer"] if k.endswith(".momentum_buffer")]
+    assert len(momentum) == 6 * 7
+    for k, v in ca["optimizer"].items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, cb["optimizer"][k]), k
+
+    saved = read_checkpoint(b / "checkpoint" / "step-10", tmp_path)
+    # torchtitan's data loader cannot change its data-parallel degree; everything else can.
+    reshard = ["--checkpoint.exclude_from_loading", "dataloader"]
+    for nproc in (1, 3):
+        probe_out = tmp_path / f"probe{nproc}.pt"
+        run_ok(
+            nproc,
+            str(probe_out),
+            *toy_args(tokenizer_dir, b, *common, "--checkpoint.load_step", "10", *reshard),
+            script=str(REPO / "tests" / "titan" / "titan_probe.py"),
+        )
+        probe = torch.load(probe_out, weights_only=False)
+        assert probe["step"] == 10 and probe["plan"]["world_size"] == nproc
+        for k in model_keys:
+            assert torch.equal(probe["model"][k], saved[k]), (nproc, k)
+        for fqn, entry in probe["optim"]["state"].items():
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.ndim > 0:
+                    assert torch.equal(value, saved["optimizer"][f"state.{fqn}.{name}"]), (
+                        nproc,
+                        fqn,
+                        name,
+                    )
+        assert sum("momentum_buffer" in e for e in probe["optim"]["state"].values()) == 6 * 7
+
+    c = tmp_path / "c"
+    run_ok(
+        1,
+        *toy_args(
+            tokenizer_dir,
+            c,
+            *common,
+            "--training.steps",
+            "12",
+            "--checkpoint.initial_load_path",
+            str(b / "checkpoint" / "step-10"),
+            "--checkpoint.no-initial-load-model-only",
+            *reshard,
+        ),
+    )
+    lc = tb_losses(c)
+    assert sorted(lc) == [11, 12] and all(v == v and v < 10 for v in lc.values()), lc
+
+
+def test_dmuon_equals_the_naive_path_inside_torchtitan(tokenizer_dir, tmp_path):
+    """Same seed checkpoint, fp32 params and NS, 2 ranks: DMuon's loss trajectory equals the
+    naive path's (every param on FSDP2, all-gather + NS on every rank) within 1e-5 per step."""
+    seed = tmp_path / "seed"
+    run_ok(
+        1,
+        "--job.config_file",
+        str(REPO / "configs" / "toy_adamw.toml"),
+        "--job.dump_folder",
+        str(seed),
+        "--model.hf_assets_path",
+        str(tokenizer_dir),
+        "--debug.seed",
+        "7",
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+    )
+    losses = {}
+    for mode in ("dedicated", "naive"):
+        dump = tmp_path / mode
+        run_ok(
+            2,
+            *toy_args(
+                tokenizer_dir,
+                dump,
+                "--training.steps",
+                "10",
+                "--dmuon.mode",
+                mode,
+                "--dmuon.ns_dtype",
+                "float32",
+                "--validation.freq",
+                "100",
+                "--checkpoint.enable",
+                "--checkpoint.interval",
+                "1000",
+                "--checkpoint.initial_load_path",
+                str(seed / "checkpoint" / "step-0"),
+            ),
+        )
+        losses[mode] = tb_losses(dump)
+    assert sorted(losses["dedicated"]) == list(range(1, 11))
+    worst = max(abs(losses["dedicated"][s] - losses["naive"][s]) for s in range(1, 11))
+    print(f"largest per-step loss difference, DMuon vs naive: {worst:.2e}")
+    for step in range(1, 11):
+        d, n = losses["dedicated"][step], losses["naive"][step]
+        assert abs(d - n) <= 1e-5, (step, d, n)
+    assert losses["dedicated"][10] < losses["dedicated"][1]
+
+
+# ------------------------------------------------------------------ invalid configurations
+BAD_VALUES = [
+    (["--dmuon.ns_steps", "0"], "[dmuon] ns_steps"),
+    (["--dmuon.ns_steps", "100"], "[dmuon] ns_steps"),
+    (["--dmuon.ns_coefficients", "cubic"], "[dmuon] ns_coefficients"),
+    (["--dmuon.ns_dtype", "float8"], "[dmuon] ns_dtype"),
+    (["--dmuon.momentum", "1.0"], "[dmuon] momentum"),
+    (["--dmuon.momentum", "-0.1"], "[dmuon] momentum"),
+    (["--dmuon.adjust_lr_fn", "rms"], "[dmuon] adjust_lr_fn"),
+    (["--dmuon.mode", "fast"], "[dmuon] mode"),
+    (["--dmuon.hook_boundary", "layer"], "[dmuon] hook_boundary"),
+    (["--dmuon.params", "(("], "[dmuon] params"),
+    (["--dmuon.lr", "-1"], "[dmuon] lr"),
+    (["--dmuon.weight_decay", "-0.5"], "[dmuon] weight_decay"),
+    (["--dmuon.ns_eps", "0"], "[dmuon] ns_eps"),
+    (["--dmuon.small_param_numel", "-1"], "[dmuon] small_param_numel"),
+    (["--dmuon.ns_batch_numel", "-5"], "[dmuon] ns_batch_numel"),
+    (["--dmuon.ns_algorithm", "fast"], "[dmuon] ns_algorithm"),
+    (["--dmuon.collectives", "ring"], "[dmuon] collectives"),
+]
+
+
+@pytest.mark.parametrize("override, key", BAD_VALUES, ids=[k for _, k in BAD_VALUES])
+def test_bad_dmuon_value_is_named_at_parse_time(override, key):
+    from torchtitan.config import ConfigManager
+
+    with pytest.raises(SystemExit) as err:
+        ConfigManager().parse_args(["--job.config_file", str(TOY), *override])
+    assert key in str(err.value)
+
+
+def test_bad_toml_values_and_keys_are_named(tmp_path):
+    from torchtitan.config import ConfigManager
+
+    cases = [
+        ("[dmuon]\nns_step = 3\n", "ns_step"),
+        ("[dmuon]\nns_steps = 'five'\n", "[dmuon] ns_steps"),
+        ("[dmuon]\nparams = 'layers'\n", "[dmuon] params"),
+        ("[dmuon]\nnesterov = 1\n", "[dmuon] nesterov"),
+        ("[muon]\nlr = 1\n", "muon"),
+    ]
+    base = TOY.read_text().split("\n[dmuon]")[0] + "\n"
+    for i, (section, key) in enumerate(cases):
+        path = tmp_path / f"bad{i}.toml"
+        path.write_text(base + section)
+        with pytest.raises(SystemExit) as err:
+            ConfigManager().parse_args(["--job.config_file", str(path)])
+        assert key in str(err.value), (section, str(err.value))
+
+
+@pytest.mark.parametrize(
+    "config, override, key",
+    [
+        ("toy_dmuon.toml", ["--dmuon.params", "layers\\.\\d+\\.moe\\..*"], "matches no parameter"),
+        ("toy_dmuon.toml", ["--dmuon.params", "layers\\.\\d+\\.attention_norm\\.weight"], "2-D"),
+        (
+            "toy_dmuon.toml",
+            ["--parallelism.tensor_parallel_degree", "2"],
+            "parallelism.tensor_parallel_degree",
+        ),
+        ("toy_dmuon.toml", ["--optimizer.name", "AdamW"], "[optimizer] name"),
+        ("toy_adamw.toml", ["--optimizer.name", "DMuon"], "converters"),
+        ("toy_dmuon.toml", ["--dmuon.ns_steps", "0"], "[dmuon] ns_steps"),
+    ],
+    ids=[
+        "no-match",
+        "not-2d",
+        "tp2",
+        "converter-without-dmuon",
+        "dmuon-without-converter",
+        "ns_steps",
+    ],
+)
+def test_bad_config_exits_cleanly_under_torchrun(tokenizer_dir, tmp_path, config, override, key):
+    args = [
+        "--job.config_file",
+        str(REPO / "configs" / config),
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+        "--model.hf_assets_path",
+        str(tokenizer_dir),
+        *override,
+    ]
+    rc, out = torchrun(2, *args, timeout=300)
+    assert rc != 0
+    assert "dmuon_titan config error" in out and key in out, out[-3000:]
+    assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out
+
+
+def test_every_dcp_save_drains_first(cpu_mesh):
+    """The CheckpointManager hook: wait_all_replicate_broadcasts runs before the save."""
+    from unittest import mock
+
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    import dmuon_titan as dmuon
+    import dmuon_titan.titan  # noqa: F401  (installs the hooks)
+    from dmuon_titan.titan import checkpoint as plugin
+
+    from ..helpers.models import ToyTransformer, dedicated_predicate
+
+    model = ToyTransformer()
+    dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
+    calls = []
+    manager = mock.Mock(states={"model": plugin.DMuonModelWrapper([model])})
+    with mock.patch.object(
+        plugin, "wait_all_replicate_broadcasts", side_effect=lambda m: calls.append(("drain", m))
+    ):
+        inner = mock.Mock(side_effect=lambda *a, **k: calls.append(("save",)))
+        plugin._draining(inner)(manager, {"x": 1}, checkpoint_id="c")
+    assert calls == [("drain", model), ("save",)]
+    assert getattr(CheckpointManager.dcp_save, "_dmuon_draining", False)
+    # and the model state dict handed to DCP is the owner-only form
+    sd = manager.states["model"].state_dict()
+    assert set(sd) == set(dmuon.get_model_state_dict(model, full=False))
+
+
+def test_hsdp_toy_trains_and_resumes_on_4_ranks(tokenizer_dir, tmp_path):
+    """data_parallel_replicate_degree = 2 on 4 CPU ranks (2 replicas x 2 shards): trains, and
+    resuming from step 3 reproduces steps 4-6 bit for bit."""
+    common = [
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        *checkpointed_args(total_steps=6, interval=3, validation_freq=100),
+    ]
+    a, b = tmp_path / "a", tmp_path / "b"
+    out = run_ok(4, *toy_args(tokenizer_dir, a, *common, "--training.steps", "6"))
+    assert "DMuon: 42 matrices on 4 ranks (2 replicas x 2 shards)" in out
+    run_ok(4, *toy_args(tokenizer_dir, b, *common, "--training.steps", "3"))
+    out = run_ok(4, *toy_args(tokenizer_dir, b, *common, "--training.steps", "6"))
+    assert "Training starts at step 4" in out
+    la, lb = tb_losses(a), tb_losses(b)
+    assert sorted(la) == list(range(1, 7)) and la[6] < la[1]
+    assert [la[s] for s in (4, 5, 6)] == [lb[s] for s in (4, 5, 6)]
+
+
+def test_ddp_toy_trains(tokenizer_dir, tmp_path):
+    """Pure replication (torchtitan's DDP): DMuon plans over the 2 replicas."""
+    out = run_ok(
+        2,
+        *toy_args(
+            tokenizer_dir,
+            tmp_path,
+            "--training.steps",
+            "4",
+            "--validation.freq",
+            "100",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ),
+    )
+    assert "DMuon: 42 matrices on 2 ranks (2 replicas x 1 shard)" in out
+    losses = tb_losses(tmp_path)
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
