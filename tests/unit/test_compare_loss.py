@@ -67,7 +67,7 @@ def test_170m_flavor_registered():
     torch = pytest.importorskip("torch")
     from torchtitan.protocols.train_spec import get_train_spec
 
-    import dmuon_titan.titan  # noqa: F401  (registers the flavor)
+    import dmuon_titan.toy  # noqa: F401  (registers the flavor)
 
     spec = get_train_spec("llama3")
     with torch.device("meta"):
@@ -79,7 +79,7 @@ def test_8b_8layers_flavor_is_8b_with_fewer_blocks():
     torch = pytest.importorskip("torch")
     from torchtitan.protocols.train_spec import get_train_spec
 
-    import dmuon_titan.titan  # noqa: F401  (registers the flavor)
+    import dmuon_titan.toy  # noqa: F401  (registers the flavor)
 
     spec = get_train_spec("llama3")
     with torch.device("meta"):
