@@ -6,7 +6,8 @@ Importing this package (torchtitan does it at the start of ``Trainer.__init__``)
 - ``[optimizer] name = "DMuon"`` in the llama3 train spec's optimizer builder (every other
   name goes to torchtitan's own builder, unchanged),
 - owner-only checkpoints with a drain before every save, global-norm gradient clipping over
-  owned matrices, DMuon figures in the metrics.
+  owned matrices, DMuon figures in the metrics (model size and FLOPs counted with the dedicated
+  matrices whole; progress and summary lines).
 
 ``[job] custom_config_module = "dmuon_titan.titan.config"`` adds the ``[dmuon]`` section. The
 repository's toy runs (CPU, offline data) import :mod:`dmuon_titan.toy` instead, which adds
@@ -20,7 +21,7 @@ import dataclasses
 from .checkpoint import install_checkpoint_hooks
 from .clip import install_clip
 from .converter import DMuonConverter
-from .metrics import build_metrics_processor
+from .metrics import build_metrics_processor, count_full_sizes
 from .optimizer import build_optimizers
 from .parallelize import wrap_parallelize
 
@@ -47,6 +48,8 @@ def install() -> None:
         if name in train_spec_module._extra_train_specs:
             continue
         spec = train_spec_module.get_train_spec(name)
+        for args in spec.model_args.values():
+            count_full_sizes(type(args))
         train_spec_module.register_train_spec(
             name,
             dataclasses.replace(

@@ -7,6 +7,7 @@ or command line); a bad value exits with one line naming the key.
 (No ``from __future__ import annotations`` here: torchtitan's merge needs real annotations.)
 """
 
+import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import SimpleNamespace
@@ -21,10 +22,16 @@ from ..update import ADJUST_LR_FNS
 
 
 class ConfigError(SystemExit):
-    """A bad configuration value: exits with its message, no traceback, on every rank."""
+    """A bad configuration value: every rank exits (code 1) with no traceback; the message,
+    one line, is printed by the first rank only (``RANK`` as torchrun sets it)."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(f"dmuon_titan config error: {message}")
+        self.message = f"dmuon_titan config error: {message}"
+        first = os.environ.get("RANK", "0") == "0"
+        super().__init__(self.message if first else 1)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 DEFAULT_PARAMS = [r"layers\.\d+\.(attention|feed_forward)\.[^.]+\.weight"]

@@ -41,6 +41,11 @@ def job_of(model_parts) -> DMuonJob | None:
 
 def check_compatibility(job_config, parallel_dims) -> None:
     """Reject what DMuon does not support yet, naming the TOML key."""
+    if not hasattr(job_config, "dmuon"):
+        raise ConfigError(
+            '[model] converters includes "dmuon" but [job] custom_config_module is not '
+            '"dmuon_titan.titan.config" (it adds the [dmuon] section): add that line to [job]'
+        )
     cfg = job_config.dmuon
     if job_config.optimizer.name != "DMuon":
         raise ConfigError(
@@ -81,9 +86,10 @@ def param_predicate(patterns: list[str], model: nn.Module):
     for pattern, regex in zip(patterns, compiled, strict=True):
         hits = [(n, p) for n, p in names if regex.fullmatch(n)]
         if not hits:
+            examples = [n for n, p in names if p.ndim == 2][:4] or [n for n, _ in names[:4]]
             raise ConfigError(
                 f"[dmuon] params pattern {pattern!r} matches no parameter of the model "
-                f"(names look like {names[0][0]!r}, ...)"
+                f"(its matrices are named like {', '.join(map(repr, examples))}, ...)"
             )
         for n, p in hits:
             if p.ndim != 2:
@@ -148,6 +154,13 @@ class DMuonConverter:
             TORCH_DTYPE_MAP[training.mixed_precision_reduce],
         )
         loads = summary["ns_flops_per_rank"]
+        idle = [rank for rank, load in enumerate(loads) if load == 0]
+        if idle:
+            logger.warning(
+                f"DMuon: ranks {idle} of {len(loads)} own no Muon matrix ({summary['num_params']} "
+                "matrices): their Newton-Schulz share is zero and the others carry it; "
+                "[dmuon] small_param_numel = 0 gives every matrix its own owner"
+            )
         # The yardstick of the benchmarks (T_floor): plain NS of every matrix, whatever runs.
         plain = sum(orthogonalize_flops(p["shape"], "plain") for p in summary["params"])
         logger.info(

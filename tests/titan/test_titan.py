@@ -4,6 +4,7 @@ CPU ranks (gloo), checkpoints through torchtitan's CheckpointManager and DCP."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,10 +47,10 @@ def torchrun(nproc: int, *args: str, script: str | None = None, timeout: int = 6
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def toy_args(tokenizer_dir, dump: Path, *extra: str) -> list[str]:
+def toy_args(tokenizer_dir, dump: Path, *extra: str, config: Path = TOY) -> list[str]:
     return [
         "--job.config_file",
-        str(TOY),
+        str(config),
         "--job.dump_folder",
         str(dump),
         "--model.hf_assets_path",
@@ -99,6 +100,21 @@ def read_checkpoint(path: Path, tmp: Path) -> dict:
     out = tmp / f"{path.parent.parent.name}-{path.name}.pt"
     dcp_to_torch_save(str(path), str(out))
     return torch.load(out, weights_only=False)
+
+
+def model_size(out: str) -> int:
+    """The parameter count torchtitan logs at start-up (the same on every rank, or an error)."""
+    sizes = {int(n.replace(",", "")) for n in re.findall(r"size: ([\d,]+) total parameters", out)}
+    assert len(sizes) == 1, sizes
+    return sizes.pop()
+
+
+def flops_per_token(dump: Path) -> float:
+    """FLOPs per token behind the logged TFLOPS: tflops / tokens per second, every step."""
+    tflops, tps = tb_scalars(dump, "tflops"), tb_scalars(dump, "throughput(tps)")
+    ratios = [tflops[s] * 1e12 / tps[s] for s in tflops]  # TensorBoard keeps float32
+    assert max(ratios) - min(ratios) <= 1e-6 * max(ratios), ratios
+    return sum(ratios) / len(ratios)
 
 
 def run_ok(nproc: int, *args: str, **kw) -> str:
@@ -192,12 +208,34 @@ def test_toy_dmuon_trains_checkpoints_and_resumes(tokenizer_dir, tmp_path):
     lc = tb_losses(c)
     assert sorted(lc) == [11, 12] and all(v == v and v < 10 for v in lc.values()), lc
 
+    # Narrowing [dmuon] params mid-run: the feed-forward matrices move to AdamW; the step-10
+    # checkpoint still loads (their weights as saved, fresh AdamW moments), said in one line.
+    d = tmp_path / "d"
+    out = run_ok(
+        2,
+        *toy_args(
+            tokenizer_dir,
+            d,
+            *common,
+            "--training.steps",
+            "12",
+            "--dmuon.params",
+            r"layers\.\d+\.attention\.[^.]+\.weight",
+            "--checkpoint.initial_load_path",
+            str(b / "checkpoint" / "step-10"),
+            "--checkpoint.no-initial-load-model-only",
+        ),
+    )
+    assert "18 matrices (layers.0.feed_forward.w1.weight" in out and "moved to AdamW" in out
+    ld = tb_losses(d)
+    assert sorted(ld) == [11, 12] and abs(ld[11] - lb[11]) < 0.5, (ld, lb[11])
+
 
 def test_dmuon_equals_the_naive_path_inside_torchtitan(tokenizer_dir, tmp_path):
     """Same seed checkpoint, fp32 params and NS, 2 ranks: DMuon's loss trajectory equals the
     naive path's (every param on FSDP2, all-gather + NS on every rank) within 1e-5 per step."""
     seed = tmp_path / "seed"
-    run_ok(
+    seed_out = run_ok(
         1,
         "--job.config_file",
         str(REPO / "configs" / "toy_adamw.toml"),
@@ -210,10 +248,10 @@ def test_dmuon_equals_the_naive_path_inside_torchtitan(tokenizer_dir, tmp_path):
         "--checkpoint.enable",
         "--checkpoint.create_seed_checkpoint",
     )
-    losses = {}
+    losses, sizes, flops = {}, {}, {}
     for mode in ("dedicated", "naive"):
         dump = tmp_path / mode
-        run_ok(
+        out = run_ok(
             2,
             *toy_args(
                 tokenizer_dir,
@@ -234,6 +272,11 @@ def test_dmuon_equals_the_naive_path_inside_torchtitan(tokenizer_dir, tmp_path):
             ),
         )
         losses[mode] = tb_losses(dump)
+        sizes[mode], flops[mode] = model_size(out), flops_per_token(dump)
+    # The logged model size, FLOPs per token, TFLOPS and MFU count every matrix once: the
+    # same with DMuon as with everything on FSDP2 (naive) and as AdamW's seed run.
+    assert sizes["dedicated"] == sizes["naive"] == model_size(seed_out) == 6_163_712
+    assert flops["dedicated"] == pytest.approx(flops["naive"], rel=1e-6)
     assert sorted(losses["dedicated"]) == list(range(1, 11))
     worst = max(abs(losses["dedicated"][s] - losses["naive"][s]) for s in range(1, 11))
     print(f"largest per-step loss difference, DMuon vs naive: {worst:.2e}")
@@ -306,6 +349,7 @@ def test_bad_toml_values_and_keys_are_named(tmp_path):
         ("toy_dmuon.toml", ["--optimizer.name", "AdamW"], "[optimizer] name"),
         ("toy_adamw.toml", ["--optimizer.name", "DMuon"], "converters"),
         ("toy_dmuon.toml", ["--dmuon.ns_steps", "0"], "[dmuon] ns_steps"),
+        ("no-config-module", [], "custom_config_module"),
     ],
     ids=[
         "no-match",
@@ -314,12 +358,23 @@ def test_bad_toml_values_and_keys_are_named(tmp_path):
         "converter-without-dmuon",
         "dmuon-without-converter",
         "ns_steps",
+        "no-config-module",
     ],
 )
 def test_bad_config_exits_cleanly_under_torchrun(tokenizer_dir, tmp_path, config, override, key):
+    """Each mistake: a non-zero exit, one line naming the key printed once (by rank 0), no
+    Python traceback from any rank. (torchrun's own report of the failed ranks follows; a
+    plugin inside the ranks cannot change the launcher.)"""
+    path = REPO / "configs" / config
+    if config == "no-config-module":  # the four lines minus custom_config_module, no [dmuon]
+        text = TOY.read_text().split("\n[dmuon]")[0]
+        path = tmp_path / "no_config_module.toml"
+        path.write_text(
+            "\n".join(line for line in text.splitlines() if "custom_config_module" not in line)
+        )
     args = [
         "--job.config_file",
-        str(REPO / "configs" / config),
+        str(path),
         "--job.dump_folder",
         str(tmp_path / "out"),
         "--model.hf_assets_path",
@@ -328,7 +383,22 @@ def test_bad_config_exits_cleanly_under_torchrun(tokenizer_dir, tmp_path, config
     ]
     rc, out = torchrun(2, *args, timeout=300)
     assert rc != 0
-    assert "dmuon_titan config error" in out and key in out, out[-3000:]
+    assert out.count("dmuon_titan config error") == 1 and key in out, out[-3000:]
+    assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out
+
+
+def test_resuming_another_optimizers_checkpoint_is_one_line(tokenizer_dir, tmp_path):
+    """An AdamW run's checkpoint resumed with DMuon (the optimizer state cannot carry over):
+    one line naming the way to start from its weights, printed once, no traceback."""
+    dump = tmp_path / "run"
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "1", "--validation.freq", "100"]
+    adamw = REPO / "configs" / "toy_adamw.toml"
+    run_ok(1, *toy_args(tokenizer_dir, dump, *ckpt, "--training.steps", "1", config=adamw))
+    rc, out = torchrun(2, *toy_args(tokenizer_dir, dump, *ckpt, "--training.steps", "2"))
+    assert rc != 0
+    assert out.count("dmuon_titan config error") == 1 and "initial_load_model_only" in out, out[
+        -3000:
+    ]
     assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out
 
 
