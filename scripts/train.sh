@@ -1,12 +1,33 @@
 #!/usr/bin/env bash
 # Train with torchtitan + DMuon: on every local GPU if there are any, else on 2 CPU ranks (gloo).
-#   scripts/train.sh [config.toml] [torchtitan overrides...]
+#   scripts/train.sh                      # the showcase: the toy job with AdamW, then with
+#                                         # DMuon, then the two compared (~2 min on 2 CPU cores)
+#   scripts/train.sh config.toml [torchtitan overrides...]    # one run
 #   scripts/train.sh configs/toy_dmuon.toml --training.steps 50
 # Offline: the tokenizer is trained here on the Python standard library (once, ~10 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CONFIG=${1:-configs/toy_dmuon.toml}
-[[ $# -gt 0 ]] && shift
+if [[ $# -eq 0 ]]; then
+  out=outputs/showcase
+  mkdir -p "$out"
+  for opt in adamw dmuon; do
+    echo "== toy job, $opt (log: $out/$opt.log)"
+    set +e
+    "$0" "configs/toy_$opt.toml" --job.dump_folder "$out/$opt" --metrics.log_freq 10 2>&1 \
+      | tee "$out/$opt.log" | grep -aE "progress:|summary:|validate step|error" | grep -v lspci
+    status=${PIPESTATUS[0]}
+    set -e
+    [[ $status -eq 0 ]] || { echo "the $opt run failed (exit $status): see $out/$opt.log"; exit 1; }
+  done
+  echo "== DMuon vs AdamW, same job (same data, lr 3e-3 each: the best of each one's sweep)"
+  python3 scripts/analysis/compare_loss.py "adamw=$out/adamw.log" "dmuon=$out/dmuon.log" \
+    --baseline adamw
+  echo "(On CPU a DMuon step costs more than an AdamW step: Newton-Schulz in float32 on the"
+  echo " cores; on GPUs it is a small share of the step, see docs/benchmarks.md.)"
+  exit 0
+fi
+CONFIG=$1
+shift
 NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count() or 2)")}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then

@@ -20,13 +20,10 @@ import dataclasses
 
 from .checkpoint import install_checkpoint_hooks
 from .clip import install_clip
-from .converter import DMuonConverter
+from .converter import MODEL_NAMES, DMuonConverter
 from .metrics import build_metrics_processor, count_full_sizes
 from .optimizer import build_optimizers
 from .parallelize import wrap_parallelize
-
-#: Train specs whose builders learn DMuon (models of torchtitan 0.2.2 with llama-style blocks).
-MODEL_NAMES = ("llama3",)
 
 _installed = False
 

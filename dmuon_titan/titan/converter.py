@@ -21,6 +21,9 @@ from ..options import options_kwargs
 from ..plan.cost import orthogonalize_flops
 from .config import ConfigError
 
+#: Train specs whose builders learn DMuon (models of torchtitan 0.2.2 with llama-style blocks).
+MODEL_NAMES = ("llama3",)
+
 #: Attribute the converter sets on the model: the optimizer builder only receives
 #: ``[optimizer]`` and the model parts, so the ``[dmuon]`` settings travel with the model.
 JOB_ATTR = "_dmuon_titan_job"
@@ -47,6 +50,11 @@ def check_compatibility(job_config, parallel_dims) -> None:
             '"dmuon_titan.titan.config" (it adds the [dmuon] section): add that line to [job]'
         )
     cfg = job_config.dmuon
+    if job_config.model.name not in MODEL_NAMES:
+        raise ConfigError(
+            f"[model] name = {job_config.model.name!r}: DMuon serves {list(MODEL_NAMES)} so far "
+            "(its train spec learns the DMuon optimizer and the counting of dedicated matrices)"
+        )
     if job_config.optimizer.name != "DMuon":
         raise ConfigError(
             f'[model] converters includes "dmuon" but [optimizer] name = '

@@ -8,6 +8,7 @@ fails too (all ranks are killed).
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -37,6 +38,12 @@ def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, arg
         with open(os.path.join(tmp, f"error_{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         raise SystemExit(1) from None
+    # Done: leave without interpreter finalization, during which a gloo worker thread that
+    # still drops a finished collective's work (and its tensors) aborts the process
+    # (std::terminate from a thread taking the GIL while Python finalizes; seen in a core).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(

@@ -350,6 +350,7 @@ def test_bad_toml_values_and_keys_are_named(tmp_path):
         ("toy_adamw.toml", ["--optimizer.name", "DMuon"], "converters"),
         ("toy_dmuon.toml", ["--dmuon.ns_steps", "0"], "[dmuon] ns_steps"),
         ("no-config-module", [], "custom_config_module"),
+        ("toy_dmuon.toml", ["--model.name", "qwen3"], "[model] name = 'qwen3'"),
     ],
     ids=[
         "no-match",
@@ -359,6 +360,7 @@ def test_bad_toml_values_and_keys_are_named(tmp_path):
         "dmuon-without-converter",
         "ns_steps",
         "no-config-module",
+        "unserved-model",
     ],
 )
 def test_bad_config_exits_cleanly_under_torchrun(tokenizer_dir, tmp_path, config, override, key):
