@@ -295,7 +295,13 @@ def set_gradient_divide_factor(model: nn.Module, factor: float) -> None:
     """
     if not factor > 0:
         raise ValueError(f"gradient divide factor must be > 0, got {factor!r}")
-    get_state(model).gradient_divide_factor = float(factor)
+    state = get_state(model)
+    if state.direct and factor != 1:
+        raise ValueError(
+            "set_gradient_divide_factor after the first forward of a one-rank model (whose "
+            "gradients are not reduced, so not divided either): call it before the first forward"
+        )
+    state.gradient_divide_factor = float(factor)
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

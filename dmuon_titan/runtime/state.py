@@ -84,6 +84,7 @@ class DMuonState:
         self.ran_this_step: set[int] = set()
         self._pending_reduces: list[PendingReduce] = []
         self._initialized = False
+        self.direct = False  # decided at lazy init
         self._replicas_synced = False
         #: how many times the gradient-presence flags were read back (a host sync each);
         #: stays 0 while every owner has its own gradient for every matrix it owns
@@ -105,9 +106,18 @@ class DMuonState:
         for p in self.params:
             p.check_materialized()
             p.resolve_dtypes(_nearest_mp_policy(p.module, parents))
-        for group in self.groups:
-            group.lazy_init()
-            hooks.register_grad_hooks(self, group)
+        #: one rank computing in the masters' own dtype: nothing to move, cast or reduce, so
+        #: the modules keep the masters and autograd accumulates into them (no buffers, no
+        #: hooks at work) — DMuon is then torch.optim.Muon's bookkeeping and no more
+        self.direct = (
+            self.mesh.world_size == 1
+            and self.gradient_divide_factor == 1
+            and all(p.param_dtype == p.orig_dtype == p.reduce_dtype for p in self.params)
+        )
+        if not self.direct:
+            for group in self.groups:
+                group.lazy_init()
+                hooks.register_grad_hooks(self, group)
         self._initialized = True
         # Each replica's column rank ran init_weights with its own random stream: from here
         # on every copy is the global owner's.
@@ -119,11 +129,13 @@ class DMuonState:
         if in_backward():
             return
         self.lazy_init()
+        if self.direct:
+            return
         self._end_forward_pass()  # one left open by forwards of submodules alone
         self._pass = ForwardCursor(training=torch.is_grad_enabled())
 
     def root_post_forward(self, output):
-        if in_backward() or self._pass is None:
+        if in_backward() or self._pass is None or self.direct:
             return output
         training = self._pass.training
         self._end_forward_pass()
@@ -133,6 +145,8 @@ class DMuonState:
 
     def pre_forward(self, group: BoundaryGroup) -> None:
         self.lazy_init()
+        if self.direct:
+            return
         if in_backward():  # activation-checkpoint recompute: backward's turn for the boundary
             self._begin_backward()
             self._reach_in_backward(group)
@@ -154,6 +168,8 @@ class DMuonState:
         group.pre_forward()
 
     def post_forward(self, group: BoundaryGroup, output):
+        if self.direct:
+            return output
         if in_backward():
             group.end_recompute()  # the backward is about to use the weights
             return output
@@ -166,6 +182,8 @@ class DMuonState:
         return output
 
     def close_scope(self, inside: frozenset[int]) -> None:
+        if self.direct:
+            return
         """A module whose subtree holds the boundaries ``inside`` finished its forward: the
         entries of theirs due next were not reached here (an expert without tokens) and are
         issued now, not when this rank reaches its next boundary, for a peer that runs them
@@ -320,7 +338,10 @@ class DMuonState:
 
     def finalize_reduces(self) -> None:
         """Wait for the issued reduces; owners get ``owned.grad`` (see
-        :func:`~dmuon_titan.runtime.bucket.finalize`)."""
+        :func:`~dmuon_titan.runtime.bucket.finalize`). Direct (one rank): the gradients are
+        in place already."""
+        if self.direct:
+            return
         pending, self._pending_reduces = self._pending_reduces, []
         if pending:
             self.presence_syncs += finalize(pending, self.gradient_divide_factor)

@@ -15,6 +15,8 @@ bookkeeping), and the optimizer step, timed with CUDA events (median). Variants:
   each block's weights by one all-gather and its gradients by one reduce-scatter
   (``collectives="gather"``) instead of a broadcast from and a reduce to each owner;
 - ``naive``: every matrix on FSDP2, all-gather + Newton–Schulz on every rank;
+- ``torch_muon`` (one rank only): no FSDP2, ``torch.optim.Muon`` on the matrices and fused
+  ``torch.optim.AdamW`` on the rest: the reference DMuon's one-rank step is held to;
 - ``ns_floor``: only Newton–Schulz (bf16, 5 steps) of this rank's share of the matrices under
   DMuon's partition, no communication, no momentum: the plain-NS floor;
 - peers: ``muon_fsdp2`` (PyPI ``muon-fsdp2`` 0.3.0: gather to one rank per matrix, NS, scatter)
@@ -59,6 +61,7 @@ from dmuon_titan.timing import PhaseTimer, median_milliseconds
 SHAPES = {  # n_layers, dim, kv_dim, ffn_hidden
     "8B": (32, 4096, 1024, 14336),
     "1B": (16, 2048, 512, 8192),
+    "170M": (12, 1024, 1024, 2816),  # the repository's llama3 170M flavor
     "tiny": (4, 256, 64, 768),
 }
 
@@ -89,6 +92,26 @@ class Stack(nn.Module):
         return x
 
 
+class TorchMuonAndAdamW:
+    """``torch.optim.Muon`` on the matrices and fused ``torch.optim.AdamW`` on the rest, as one
+    optimizer (the one-rank reference of ``torch_muon``)."""
+
+    def __init__(self, model, device) -> None:
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        others = [p for p in model.parameters() if p.ndim != 2]
+        self.optimizers = [torch.optim.Muon(matrices, lr=1e-3)]
+        if others:
+            self.optimizers.append(torch.optim.AdamW(others, lr=1e-4, fused=device.type == "cuda"))
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
 def build(
     variant: str, shape, mesh, device, ns_batch_numel: int = dmuon.muon.DEFAULT_NS_BATCH_NUMEL
 ):
@@ -104,9 +127,10 @@ def build(
             ns_algorithm=algorithm,
             collectives="gather" if "_gather" in variant else "broadcast",
         )
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if variant != "torch_muon":  # torch.optim.Muon takes plain tensors: one rank, no FSDP2
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     if device.type == "cpu":
         for m in model.modules():
             if hasattr(m, "set_force_sum_reduction_for_comms"):
@@ -122,6 +146,10 @@ def build(
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=1e-4, fused=device.type == "cuda", foreach=device.type != "cuda"
         )
+    elif variant == "torch_muon":
+        if dist.get_world_size() != 1:
+            raise RuntimeError("torch_muon runs on one rank (torch.optim.Muon has no FSDP2)")
+        optimizer = TorchMuonAndAdamW(model, device)
     elif variant == "naive":
         optimizer = NaiveMuon(model, lambda n, p: p.ndim == 2, lr=1e-3, adamw_lr=1e-4)
     elif variant == "muon_fsdp2":
