@@ -23,7 +23,7 @@ from .plan import ParamSpec, plan_partition, select_boundaries
 from .plan.collectives import boundary_collectives
 from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL
 from .runtime.collectives import Collectives
-from .runtime.fsdp import install_fully_shard_patch, install_replicate_patch
+from .runtime.fsdp import install_fully_shard_patch, install_replicate_patch, register_tied
 from .runtime.group import BoundaryGroup
 from .runtime.hooks import register_boundary_hooks, register_root_hooks, register_scope_hooks
 from .runtime.mesh import MeshInfo, mesh_info
@@ -66,8 +66,10 @@ def dedicate_params(
         model: the root module (the one you will call forward on).
         mesh: 1-D data-parallel shard mesh (FSDP's; for HSDP its shard dimension). ``None``
             with ``replicate_mesh`` for pure replication (DDP-style).
-        predicate: ``(fqn, param) -> bool`` selecting the Muon matrices; each must be 2-D,
-            trainable and not shared between modules.
+        predicate: ``(fqn, param) -> bool`` selecting the Muon matrices; each must be
+            trainable, not shared between modules, and 2-D, or 3-D: a stack of matrices
+            (mixture-of-experts ``[experts, out, in]``: dim 0 is the stack), each
+            orthogonalized on its own and owned expert by expert over every rank.
         hook_boundary_predicate: ``(module) -> bool``; a parameter's hooks go to its lowest
             ancestor (itself included) for which it is true. Default: the first
             ``layers.N``/``blocks.N`` ancestor, else the parameter's module.
@@ -130,9 +132,8 @@ def dedicate_params(
             _check_same_plan_everywhere(fingerprint, m)
     install_fully_shard_patch()  # fully_shard / replicate now skip dedicated parameters
     install_replicate_patch()
-    state = _build_runtime(
-        model, plan, selected, modules, mesh_info(mesh, replicate_mesh), moved_by, options
-    )
+    where = mesh_info(mesh, replicate_mesh, grid=any(spec.stacked for spec in specs))
+    state = _build_runtime(model, plan, selected, modules, where, moved_by, options)
     setattr(model, STATE_ATTR, state)
     return summarize_plan(model)
 
@@ -215,6 +216,9 @@ def _select_params(model: nn.Module, predicate: ParamPredicate):
             if p is not None:
                 fqn = f"{mod_path}.{attr}" if mod_path else attr
                 places.setdefault(p, []).append((fqn, module, attr))
+    for p, where in places.items():
+        if len(where) > 1:  # stays on AdamW, in the FSDP2 group of its holders' ancestor
+            register_tied(p, _common_ancestor(model, [fqn for fqn, *_ in where]))
     selected = []
     for p, where in places.items():
         # A tied weight has several names; the predicate may pick it by any of them.
@@ -228,11 +232,7 @@ def _select_params(model: nn.Module, predicate: ParamPredicate):
                 f"{[w[0] for w in where]}); tied weights cannot be dedicated, exclude every "
                 "one of its names in the predicate (it then stays on AdamW)"
             )
-        if p.ndim != 2:
-            raise ValueError(
-                f"dedicated parameter {fqn!r} has shape {tuple(p.shape)}; Muon needs 2-D "
-                "matrices, exclude it in the predicate"
-            )
+        _check_matrix_shape(fqn, p, module)
         if not p.requires_grad:
             raise ValueError(
                 f"dedicated parameter {fqn!r} does not require grad; exclude frozen "
@@ -242,6 +242,33 @@ def _select_params(model: nn.Module, predicate: ParamPredicate):
     if not selected:
         raise ValueError("predicate selected no parameters to dedicate")
     return selected
+
+
+def _common_ancestor(model: nn.Module, fqns: list[str]) -> nn.Module:
+    """The lowest module whose subtree holds every parameter named in ``fqns``."""
+    paths = [fqn.split(".")[:-1] for fqn in fqns]
+    common: list[str] = []
+    for parts in zip(*paths, strict=False):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    return model.get_submodule(".".join(common))
+
+
+def _check_matrix_shape(fqn: str, p: nn.Parameter, module: nn.Module) -> None:
+    """2-D matrices, or 3-D stacks of them; a 3-D weight of one of torch's own layers (a
+    convolution kernel) is not a stack of matrices."""
+    if p.ndim == 3 and type(module).__module__.startswith("torch.nn"):
+        raise ValueError(
+            f"dedicated parameter {fqn!r} of shape {tuple(p.shape)} is a "
+            f"{type(module).__name__} weight, not a stack of matrices (a 3-D parameter is "
+            "taken as [experts, out, in]); exclude it in the predicate"
+        )
+    if p.ndim not in (2, 3) or 0 in p.shape:
+        raise ValueError(
+            f"dedicated parameter {fqn!r} has shape {tuple(p.shape)}; Muon needs 2-D "
+            "matrices or 3-D stacks of them ([experts, out, in]), exclude it in the predicate"
+        )
 
 
 def _check_same_plan_everywhere(fingerprint: int, mesh: DeviceMesh) -> None:
@@ -366,7 +393,7 @@ def summarize_plan(
             {
                 "fqn": p.fqn,
                 "shape": list(p.shape),
-                "owner": p.owner,
+                "owner": "sharded" if p.stacked else p.owner,
                 "boundary": state.groups[p.boundary_index].path,
                 "ns_flops": cost,
             }
@@ -376,7 +403,8 @@ def summarize_plan(
             {
                 "path": g.path or "<root>",
                 "params": len(g.params),
-                "owners": sorted({p.owner for p in g.params}),
+                "owners": sorted({p.owner for p in g.params if not p.stacked}),
+                "stacks": len(g.stacks),
                 "collectives": g.collectives,
             }
             for g in state.groups
@@ -401,24 +429,31 @@ def _bytes_per_step(
         return (reduce_dtype or param_dtype or p.reduce_dtype).itemsize
 
     stage1_param_bytes, stage1_reduce_bytes = 0, 0
+    grid_param_bytes, grid_reduce_bytes = 0, 0  # stacks: over the whole grid, padding included
     for g in state.groups:
+        for stack in g.stacks:
+            grid_param_bytes += stack.world_size * stack.slot_numel * param_size(stack.param)
+            grid_reduce_bytes += stack.world_size * stack.slot_numel * reduce_size(stack.param)
         if g.gathered:  # what the collectives carry, padding included (flags excluded)
             p0 = g.params[0]  # one dtype per gathered boundary (checked at lazy init)
             stage1_param_bytes += shard * g.slot_numel * param_size(p0)
             stage1_reduce_bytes += (shard * g.reduce_slot_numel - len(g.params)) * reduce_size(p0)
         else:
-            stage1_param_bytes += sum(p.numel * param_size(p) for p in g.params)
-            stage1_reduce_bytes += sum(p.numel * reduce_size(p) for p in g.params)
-    reduce_bytes = sum(p.numel * reduce_size(p) for p in state.params)
-    master_bytes = sum(p.numel * p.orig_dtype.itemsize for p in state.params)
+            stage1_param_bytes += sum(p.numel * param_size(p) for b in g.buckets for p in b.params)
+            stage1_reduce_bytes += sum(
+                p.numel * reduce_size(p) for b in g.buckets for p in b.params
+            )
+    matrices = [p for p in state.params if not p.stacked]
+    reduce_bytes = sum(p.numel * reduce_size(p) for p in matrices)
+    master_bytes = sum(p.numel * p.orig_dtype.itemsize for p in matrices)
     in_shard = (shard - 1) / shard
+    in_grid = (shard * replicas - 1) / (shard * replicas)
     across = (replicas - 1) / (replicas * shard)
+    forward = stage1_param_bytes * in_shard + grid_param_bytes * in_grid
     per_step = {
-        "forward_broadcast": stage1_param_bytes * in_shard,
-        "backward_rebroadcast": stage1_param_bytes * in_shard
-        if state.reshard_after_forward
-        else 0.0,
-        "reduce": stage1_reduce_bytes * in_shard,
+        "forward_broadcast": forward,
+        "backward_rebroadcast": forward if state.reshard_after_forward else 0.0,
+        "reduce": stage1_reduce_bytes * in_shard + grid_reduce_bytes * in_grid,
         "reduce_replicate": reduce_bytes * across,
         "replicate_broadcast": master_bytes * across,
     }

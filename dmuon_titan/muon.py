@@ -218,6 +218,10 @@ class Muon(torch.optim.Optimizer):
         coefficients = newton_schulz.normalize_coefficients(group["ns_coefficients"])
         stepped = self._stepped_ids()
         todo = [p for p in group["params"] if p.grad is not None and id(p) in stepped]
+        for p in todo:
+            if p.ndim == 3:
+                self._step_stack(p, group, coefficients)
+        todo = [p for p in todo if p.ndim == 2]
         for chunk in ns_chunks(todo, self.ns_batch_numel, self.ns_unbatched_numel):
             orthos = self._orthogonalize(chunk, group, coefficients)
             for p, ortho in zip(chunk, orthos, strict=True):
@@ -231,6 +235,30 @@ class Muon(torch.optim.Optimizer):
                     shape=p.shape,
                 )
             del orthos  # views of NS's output for the chunk: free it before the next chunk
+
+    def _step_stack(self, p: torch.Tensor, group: dict[str, Any], coefficients) -> None:
+        """Muon on each matrix of a stack (this rank's experts): the momentum step and the
+        update run on the whole piece at once (elementwise, so per matrix all the same); NS
+        runs on batches of at most ``ns_batch_numel`` elements (one matrix if 0)."""
+        directions = torch.empty(p.shape, dtype=group["ns_dtype"], device=p.device)
+        self._write_direction(p, group, directions)
+        matrix_numel = p.shape[1:].numel()
+        per_batch = max(1, self.ns_batch_numel // matrix_numel) if self.ns_batch_numel else 1
+        if self.ns_unbatched_numel is not None and matrix_numel >= self.ns_unbatched_numel:
+            per_batch = 1
+        args = (coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], self.ns_algorithm)
+        for start in range(0, p.shape[0], per_batch):
+            batch = directions[start : start + per_batch]
+            self.timer.start("ns")
+            ortho = newton_schulz.orthogonalize(batch, *args, overwrite_input=True)
+            self.timer.stop("ns")
+            update.apply_update(
+                p[start : start + per_batch],
+                ortho,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                adjust_lr_fn=group["adjust_lr_fn"],
+            )
 
     def _orthogonalize(
         self, chunk: list[torch.Tensor], group: dict[str, Any], coefficients

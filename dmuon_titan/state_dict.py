@@ -10,7 +10,9 @@ entries are DTensors; a dedicated matrix (and its momentum) appears **only on it
 plain full tensor. DCP treats a plain tensor present on several ranks as replicated and saves
 whichever copy its deduplication picks (it silently saved a non-owner's placeholder when we
 tried), so the key must exist on the owner alone; a re-partitioned model (another world size)
-then loads each matrix on its new owner. The optimizer form is flattened like torchtitan's
+then loads each matrix on its new owner. An expert stack (3-D), owned piece by piece, is a
+``Shard(0)`` DTensor of the pieces on every rank (weights and momentum), which DCP re-cuts
+when the world size changes. The optimizer form is flattened like torchtitan's
 (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``).
 
 Every key and shape is checked before anything is written; errors name the offending key.
@@ -22,10 +24,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .api import clean_fqn, wait_all_replicate_broadcasts
 from .muon import Muon
+from .runtime.mesh import grid_device_mesh
 from .runtime.owned_param import DedicatedParam
 from .runtime.state import STATE_ATTR, DMuonState
 
@@ -66,6 +69,42 @@ def _broadcast_from_owner(
     return _cpu_copy(buf)
 
 
+def _gather_stack(state: DMuonState, p: DedicatedParam, piece: torch.Tensor | None):
+    """A stack's whole ``[experts, ...]`` tensor on every rank, as a CPU tensor, from each
+    rank's ``piece`` (``None`` where it holds none): one all-gather over the grid."""
+    world = state.mesh.world_size
+    per_slot = -(-p.shape[0] // world) * p.shape[1:].numel()
+    buf = torch.zeros(world * per_slot, dtype=p.orig_dtype, device=state.device)
+    if piece is not None and piece.numel():
+        start = state.mesh.grid_rank * per_slot
+        buf[start : start + piece.numel()].copy_(piece.reshape(-1))
+    state.comm.all_gather_slots(buf, "state_dict", group="grid_unshard").wait()
+    return _cpu_copy(buf[: p.numel].view(p.shape))
+
+
+def _stack_dtensor(state: DMuonState, p: DedicatedParam, piece: torch.Tensor | None):
+    """The DCP form of a stack (or of its momentum): this rank's ``piece`` as its ``Shard(0)``
+    of the whole (an empty piece where it holds no expert); the whole tensor on one rank."""
+    if piece is None:
+        piece = torch.zeros(p.owned_shape, dtype=p.orig_dtype, device=state.device)
+    if state.mesh.world_size == 1:
+        return piece.detach()
+    mesh = getattr(state, "_grid_mesh", None)
+    if mesh is None:
+        mesh = state._grid_mesh = grid_device_mesh(state.mesh)
+    return DTensor.from_local(
+        piece.detach(), mesh, [Shard(0)], run_check=False, shape=p.shape, stride=_strides(p.shape)
+    )
+
+
+def _strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
 def _shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """``full`` laid out like ``param``: a DTensor with its placements (each rank slices its
     own piece, no collective), or a plain tensor on its device."""
@@ -95,6 +134,19 @@ def _load_into(target: torch.Tensor, value: torch.Tensor) -> None:
             target.copy_(value)
 
 
+def _load_piece(p: DedicatedParam, value: torch.Tensor, full: bool, into=None) -> None:
+    """This rank's piece of a stack from ``value``: the whole stack (full form) or its DCP
+    form (a DTensor, usually loaded in place already)."""
+    target = p.owned if into is None else into
+    if full:
+        start, stop = p.piece
+        value = value[start:stop]
+    elif isinstance(value, DTensor):
+        value = value.to_local()
+    if value.data_ptr() != target.data_ptr() or value.device != target.device:
+        target.detach().copy_(value)
+
+
 def _check_keys(kind: str, expected: dict, given: dict, strict: bool) -> None:
     missing = sorted(set(expected) - set(given))
     unexpected = sorted(set(given) - set(expected))
@@ -122,6 +174,8 @@ def _model_entries(model: nn.Module, full: bool):
         p = dedicated.get(key)
         if p is None:
             entries[key] = (value, None)
+        elif p.stacked and not full:
+            entries[key] = (_stack_dtensor(_state(model), p, p.owned), p)
         elif full or p.is_owner:
             entries[key] = (p.owned, p)
     return entries
@@ -140,6 +194,8 @@ def get_model_state_dict(model: nn.Module, *, full: bool = True) -> dict[str, to
             result[key] = value.detach()
         elif p is None:
             result[key] = _full(value)
+        elif p.stacked:
+            result[key] = _gather_stack(state, p, p.owned)
         else:
             value = p.owned if p.holds_weight else None
             result[key] = _broadcast_from_owner(state, p, value, column_has_it=True)
@@ -158,6 +214,9 @@ def set_model_state_dict(
             _check_shape("model", key, state_dict[key], p.shape if p else target.shape)
     for key, (target, p) in entries.items():
         if key not in state_dict or (p is not None and not p.holds_weight):
+            continue
+        if p is not None and p.stacked:
+            _load_piece(p, state_dict[key], full)
             continue
         _load_into(target.detach() if p is None else target, state_dict[key])
     state = _state(model)
@@ -202,7 +261,10 @@ def _sharded_optimizer_entries(model: nn.Module, optimizer: Muon):
         for p in group["params"]:
             fqn = fqns[id(p)]
             d = dedicated.get(id(p))
-            if d is None or d.is_owner:
+            if d is not None and d.stacked:  # every rank: its piece (maybe empty)
+                momentum = optimizer.state[p].get("momentum_buffer") if d.is_owner else None
+                values[f"state.{fqn}.momentum_buffer"] = _stack_dtensor(state, d, momentum)
+            elif d is None or d.is_owner:
                 for k, v in optimizer.state[p].items():
                     values[f"state.{fqn}.{k}"] = v
             for k, v in group.items():
@@ -253,9 +315,11 @@ def get_optimizer_state_dict(
         for p, present in zip(state.params, have.tolist(), strict=True):
             if present:
                 buf = optimizer.state[p.owned]["momentum_buffer"] if p.is_owner else None
-                result_state[p.fqn] = {
-                    "momentum_buffer": _broadcast_from_owner(state, p, buf, column_has_it=False)
-                }
+                if p.stacked:
+                    momentum = _gather_stack(state, p, buf)
+                else:
+                    momentum = _broadcast_from_owner(state, p, buf, column_has_it=False)
+                result_state[p.fqn] = {"momentum_buffer": momentum}
     return {"state": result_state, "param_groups": groups}
 
 
@@ -282,6 +346,9 @@ def _set_sharded_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_d
         if key in group_keys:
             group, name = group_keys[key]
             group[name] = value
+        elif isinstance(target, DTensor) and isinstance(value, DTensor):
+            if value.to_local().data_ptr() != target.to_local().data_ptr():
+                target.to_local().copy_(value.to_local())
         elif isinstance(target, torch.Tensor):
             _load_into(target, value)
 
@@ -325,10 +392,11 @@ def _set_full_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict
                     f"optimizer state for {fqn!r} is not a {tuple(d.shape)} momentum buffer"
                 )
             if d.is_owner:
+                momentum = saved["momentum_buffer"]
+                if d.stacked:
+                    momentum = momentum[d.piece[0] : d.piece[1]]
                 new_state[p] = {
-                    "momentum_buffer": saved["momentum_buffer"]
-                    .to(device=p.device, dtype=p.dtype)
-                    .clone()
+                    "momentum_buffer": momentum.to(device=p.device, dtype=p.dtype).clone()
                 }
             continue
         entry = {}

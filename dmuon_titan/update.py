@@ -22,8 +22,9 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> fl
 
     ``None``/``"original"``: lr·sqrt(max(1, rows/cols)) (Keller Jordan);
     ``"match_rms_adamw"``: lr·0.2·sqrt(max(rows, cols)) (Moonshot), so AdamW's lr carries over.
+    A stack's ``shape`` (3-D) gives each of its matrices the lr of its last two dimensions.
     """
-    rows, cols = int(shape[0]), int(shape[1])
+    rows, cols = int(shape[-2]), int(shape[-1])
     # The ratio first, then the product: the same rounding as torch.optim.Muon.
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, rows / cols))

@@ -10,12 +10,13 @@ from collections.abc import Sequence
 
 
 def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
-    """FLOPs of ``ns_steps`` quintic NS iterations on a matrix of ``shape`` (2 FLOPs per FMA).
+    """FLOPs of ``ns_steps`` quintic NS iterations on a matrix of ``shape`` (2 FLOPs per FMA;
+    the last two dimensions: one matrix of a stack, see :func:`orthogonalize_flops`).
 
     Per iteration on the wide orientation X (m×n, m ≤ n): A = X Xᵀ (2m²n), B = bA + cA² (2m³),
     X ← aX + BX (2m²n).
     """
-    rows, cols = int(shape[0]), int(shape[1])
+    rows, cols = int(shape[-2]), int(shape[-1])
     m, n = min(rows, cols), max(rows, cols)
     return ns_steps * (4 * m * m * n + 2 * m * m * m)
 
@@ -40,7 +41,7 @@ def gram_ns_flops(
     iteration but the last and those before a restart, Q ← P·Q on all but the first of each
     run; m×n products: one Gram matrix per run, one Q·X per run.
     """
-    rows, cols = int(shape[0]), int(shape[1])
+    rows, cols = int(shape[-2]), int(shape[-1])
     m, n = min(rows, cols), max(rows, cols)
     boundaries = sorted({r for r in restarts if 0 < r < ns_steps})
     runs, start = [], 0
@@ -72,7 +73,14 @@ def ns_algorithm_for(shape: Sequence[int], algorithm: str, ns_steps: int = 5) ->
 def orthogonalize_flops(shape: Sequence[int], algorithm: str = "plain", ns_steps: int = 5) -> int:
     """FLOPs of :func:`orthogonalize` by ``algorithm`` on a matrix of ``shape``, counting every
     product in full: the owner partition's cost model, which should follow the time of the
-    algorithm that runs (docs/benchmarks.md, "Measurements behind code choices")."""
-    if ns_algorithm_for(shape, algorithm, ns_steps) == "gram":
-        return gram_ns_flops(shape, ns_steps)
-    return ns_flops(shape, ns_steps)
+    algorithm that runs (docs/benchmarks.md, "Measurements behind code choices").
+
+    A 3-D ``shape`` is a stack of ``shape[0]`` matrices (experts), each orthogonalized on its
+    own: the stack costs that many matrices."""
+    matrix = tuple(shape[-2:])
+    count = 1
+    for d in shape[:-2]:
+        count *= int(d)
+    if ns_algorithm_for(matrix, algorithm, ns_steps) == "gram":
+        return count * gram_ns_flops(matrix, ns_steps)
+    return count * ns_flops(matrix, ns_steps)

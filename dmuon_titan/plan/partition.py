@@ -3,6 +3,13 @@
 Each matrix gets exactly one owner, the rank that runs its momentum + Newton–Schulz + update.
 Cost is the FLOPs of the Newton–Schulz algorithm that will run on the shape (plain, or Gram
 where ``ns_algorithm`` picks it), so the slowest rank's optimizer step is what we minimize.
+
+A 3-D parameter is a *stack* of matrices (mixture-of-experts: ``[experts, out, in]``), each
+orthogonalized on its own. Its ownership grain is the expert: the stack is cut along dim 0
+into one contiguous piece per owner slot (:func:`stack_pieces`, ``torch.chunk``'s cut, which
+is also ``DTensor``'s ``Shard(0)``), so a 64-expert layer is spread over every rank, and the
+pieces move by one all-gather and one reduce-scatter, like FSDP2's. The stacks' loads come
+first; the 2-D matrices are placed by LPT on top of them.
 """
 
 from __future__ import annotations
@@ -16,6 +23,24 @@ from .cost import check_ns_algorithm, orthogonalize_flops
 #: Matrices with at most this many elements are "small": all small matrices of one boundary
 #: go to a single owner so the boundary issues one collective for them instead of many.
 DEFAULT_SMALL_PARAM_NUMEL = 1 << 16
+
+#: ``Plan.owners`` entry of a stack: owned piece by piece, by every slot (:func:`stack_pieces`).
+SHARDED = -1
+
+
+def stack_pieces(num_experts: int, world_size: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` expert range of each owner slot for a stack of ``num_experts``.
+
+    Pieces of ``ceil(num_experts / world_size)`` experts in slot order, the last ones shorter
+    or empty: ``torch.chunk``'s cut, the one ``DTensor``'s ``Shard(0)`` uses, so the pieces
+    are a ``Shard(0)`` DTensor for distributed checkpoints (which then re-cut them at another
+    world size). Padding only at the end keeps the gathered stack one contiguous tensor.
+    """
+    per_slot = -(-num_experts // world_size)
+    return [
+        (min(k * per_slot, num_experts), min((k + 1) * per_slot, num_experts))
+        for k in range(world_size)
+    ]
 
 
 @dataclass(frozen=True)
@@ -33,10 +58,16 @@ class ParamSpec:
             n *= d
         return n
 
+    @property
+    def stacked(self) -> bool:
+        """A stack of matrices (3-D: dim 0 counts them), owned expert by expert."""
+        return len(self.shape) == 3
+
 
 @dataclass(frozen=True)
 class Plan:
-    """The result of partitioning: owners[i] is the rank that owns specs[i]."""
+    """The result of partitioning: owners[i] is the rank that owns specs[i] (:data:`SHARDED`
+    for a stack: every slot owns its :func:`stack_pieces` piece)."""
 
     world_size: int
     specs: tuple[ParamSpec, ...]
@@ -47,8 +78,12 @@ class Plan:
 
     def load_per_rank(self) -> list[int]:
         loads = [0] * self.world_size
-        for owner, cost in zip(self.owners, self.costs, strict=True):
-            loads[owner] += cost
+        for spec, owner, cost in zip(self.specs, self.owners, self.costs, strict=True):
+            if owner == SHARDED:
+                for k, share in enumerate(_piece_costs(spec, cost, self.world_size)):
+                    loads[k] += share
+            else:
+                loads[owner] += cost
         return loads
 
     def imbalance(self) -> float:
@@ -93,6 +128,8 @@ def plan_partition(
       preferring ranks that hold nothing of the same boundary yet, so a boundary's broadcasts
       come from several owners and its NS work runs in parallel. The preference is taken only
       when it does not raise the current makespan beyond what plain LPT would reach.
+    - Stacks (3-D) are cut by :func:`stack_pieces`, one piece per slot; their loads are
+      there before the first unit is placed.
     - Deterministic: a pure function of (fqn, shape, boundary) order and ``world_size``.
     """
     if world_size < 1:
@@ -101,8 +138,12 @@ def plan_partition(
     costs = [orthogonalize_flops(s.shape, ns_algorithm) for s in specs]
     units: list[_Unit] = []
     small_unit_of: dict[str, _Unit] = {}
+    loads = [0] * world_size
     for i, spec in enumerate(specs):
-        if spec.numel <= small_param_numel:
+        if spec.stacked:
+            for k, share in enumerate(_piece_costs(spec, costs[i], world_size)):
+                loads[k] += share
+        elif spec.numel <= small_param_numel:
             unit = small_unit_of.get(spec.boundary)
             if unit is None:
                 unit = _Unit(0, i, [], spec.boundary)
@@ -114,7 +155,6 @@ def plan_partition(
             units.append(_Unit(costs[i], i, [i], spec.boundary))
     units.sort(key=lambda u: (-u.cost, u.order))
 
-    loads = [0] * world_size
     unit_owner: list[int] = []
     held: dict[tuple[str, int], int] = {}  # (boundary, rank) -> number of units held
     for unit in units:
@@ -131,11 +171,20 @@ def plan_partition(
         unit_owner.append(chosen)
     _spread_by_equal_cost_swaps(units, unit_owner, held)
 
-    owners = [0] * len(specs)
+    owners = [SHARDED if spec.stacked else 0 for spec in specs]
     for unit, owner in zip(units, unit_owner, strict=True):
         for i in unit.members:
             owners[i] = owner
     return Plan(world_size, tuple(specs), tuple(owners), tuple(costs), ns_algorithm)
+
+
+def _piece_costs(spec: ParamSpec, cost: int, world_size: int) -> list[int]:
+    """A stack's cost per slot: each slot's share of its experts."""
+    experts = spec.shape[0]
+    return [
+        cost * (stop - start) // max(experts, 1)
+        for start, stop in stack_pieces(experts, world_size)
+    ]
 
 
 def _spread_by_equal_cost_swaps(

@@ -34,15 +34,18 @@ def common_dtypes(params: list[DedicatedParam], where: str) -> tuple[torch.dtype
 @dataclass(frozen=True)
 class Segment:
     """The part of a reduce buffer bound for one owner replica: ``offset``, then the
-    gradients of ``params`` (``grads_numel`` elements), then one presence flag each."""
+    gradients of ``params`` (shaped ``shapes``), then one presence flag each.
+
+    ``shapes``: the whole matrices (a bucket), or the owner's piece of a stack."""
 
     replica: int
     params: tuple[DedicatedParam, ...]
     offset: int
+    shapes: tuple[torch.Size, ...]
 
     @property
     def grads_numel(self) -> int:
-        return sum(p.numel for p in self.params)
+        return sum(shape.numel() for shape in self.shapes)
 
     @property
     def numel(self) -> int:
@@ -57,11 +60,11 @@ class Segment:
         return data[self.grads_numel :]
 
     def grads(self, data: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``data`` (this segment's elements), one shaped like each parameter."""
+        """Views of ``data`` (this segment's elements), one per parameter, shaped ``shapes``."""
         views, offset = [], 0
-        for p in self.params:
-            views.append(data[offset : offset + p.numel].view(p.shape))
-            offset += p.numel
+        for shape in self.shapes:
+            views.append(data[offset : offset + shape.numel()].view(shape))
+            offset += shape.numel()
         return views
 
     @property
@@ -81,7 +84,7 @@ class OwnerBucket:
         offset = 0
         for replica in sorted({p.owner_replica for p in self.params}):
             members = tuple(p for p in self.params if p.owner_replica == replica)
-            self.segments.append(Segment(replica, members, offset))
+            self.segments.append(Segment(replica, members, offset, tuple(p.shape for p in members)))
             offset += self.segments[-1].numel
         #: elements of the bucket's reduce buffer: the gradients plus one flag per parameter
         self.reduce_numel = offset

@@ -5,11 +5,17 @@
 namespace that calls them (``_fsdp_init`` in torch 2.13, ``_fully_shard`` in earlier
 releases). Wrapping those helpers (not ``fully_shard`` itself, which callers may have imported
 by name before us) makes every call treat dedicated parameters as ``ignored_params``.
+
+Tied weights (one parameter in several modules, e.g. an embedding and an output head) stay on
+AdamW, in one FSDP2 group: the one of the lowest common ancestor of the modules that hold it
+(torch 2.13's FSDP2 refuses a parameter managed by two groups, and torchtitan shards the
+embedding and the head separately). Every other ``fully_shard`` call ignores the weight.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 from torch import nn
 from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
@@ -17,6 +23,14 @@ from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
 from .owned_param import dedicated_params_of, is_dedicated
 
 _PATCHED_FLAG = "_dmuon_patched"
+
+# tied parameter -> the lowest common ancestor of the modules that hold it
+_TIED: weakref.WeakKeyDictionary[nn.Parameter, nn.Module] = weakref.WeakKeyDictionary()
+
+
+def register_tied(param: nn.Parameter, common_ancestor: nn.Module) -> None:
+    """Let only ``common_ancestor``'s ``fully_shard`` call manage the tied ``param``."""
+    _TIED[param] = common_ancestor
 
 
 def _dedicated_in(modules, recurse: bool) -> set[nn.Parameter]:
@@ -43,7 +57,15 @@ def _wrap(fn, recurse: bool):
         roots = modules if isinstance(modules, (list, tuple)) else (modules,)
         roots = [m for m in roots if isinstance(m, nn.Module)]
         ignored = _with_dedicated_ignored(roots, ignored_params, recurse)
-        return fn(modules, ignored, *args, **kwargs)
+        if recurse or not _TIED:
+            return fn(modules, ignored, *args, **kwargs)
+        # _get_managed_states(managed modules): tied weights only where their ancestor is.
+        managed = set(roots)
+        here = [p for p, ancestor in _TIED.items() if ancestor in managed]
+        elsewhere = {p for p, ancestor in _TIED.items() if ancestor not in managed}
+        params, buffers = fn(modules, set(ignored or ()) | elsewhere, *args, **kwargs)
+        params.extend(p for p in here if p not in set(params))
+        return params, buffers
 
     setattr(wrapper, _PATCHED_FLAG, True)
     return wrapper

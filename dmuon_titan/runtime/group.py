@@ -11,7 +11,9 @@ Stage 1 (the shard ranks) moves by one of two ``collectives``, chosen per bounda
   column its bucket's gradient sum, every rank sending at once.
 
 With replicas each bucket's segments go on to their global owners (stage 2), and after the
-step the owners broadcast their updated weights back to the replicas. When each of this is
+step the owners broadcast their updated weights back to the replicas. Expert stacks (3-D)
+are not in buckets: each moves by an all-gather and a reduce-scatter of its own over the
+whole grid (``stack.py``). When each of this is
 issued is the root state's decision (``state.py``: the rank-consistent schedule); what it does
 to the boundary is here.
 """
@@ -26,6 +28,7 @@ from torch import nn
 from .bucket import OwnerBucket, PendingReduce, common_dtypes
 from .collectives import Collectives, Pending
 from .owned_param import DedicatedParam
+from .stack import ExpertStack
 
 
 class UnshardState(enum.Enum):
@@ -64,18 +67,23 @@ class BoundaryGroup:
         self.mesh = comm.mesh
         by_column: dict[int, list[DedicatedParam]] = {}
         for p in params:
-            by_column.setdefault(p.owner_shard, []).append(p)
+            if not p.stacked:
+                by_column.setdefault(p.owner_shard, []).append(p)
         self.buckets = [OwnerBucket(s, by_column[s]) for s in sorted(by_column)]
+        self.stacks = [
+            ExpertStack(p, self.mesh.world_size, self.mesh.grid_rank) for p in params if p.stacked
+        ]
         if collectives not in ("broadcast", "gather"):
             raise ValueError(f"collectives must be 'broadcast' or 'gather', got {collectives!r}")
-        #: ``"broadcast"`` or ``"gather"`` (module doc); the same on every rank
-        self.collectives = collectives
+        #: ``"broadcast"`` or ``"gather"`` (module doc); the same on every rank. It concerns
+        #: the buckets: a boundary of stacks alone has none to move.
+        self.collectives = collectives if self.buckets else "broadcast"
         #: chosen by ``collectives="auto"``: may fall back to "broadcast" (mixed dtypes)
         self.auto = auto
         #: "gather": elements per shard rank's slot, weights and gradients (incl. flags)
-        self.slot_numel = max(b.numel for b in self.buckets)
-        self.reduce_slot_numel = max(b.reduce_numel for b in self.buckets)
-        self._buffers: list[torch.Tensor] = []  # what holds the weight storage
+        self.slot_numel = max((b.numel for b in self.buckets), default=0)
+        self.reduce_slot_numel = max((b.reduce_numel for b in self.buckets), default=0)
+        self._buffers: list[torch.Tensor] = []  # the buckets' weight storage
         self.num_trainable = sum(1 for p in params if p.owned.requires_grad)
         self.unshard_state = UnshardState.FREED
         self.training_state = TrainingState.IDLE
@@ -114,7 +122,8 @@ class BoundaryGroup:
                 self.collectives = "broadcast"
         if self.gathered:
             self.param_dtype, self.reduce_dtype = common_dtypes(
-                self.params, f"{self.name}, collectives 'gather': use collectives='broadcast'"
+                [p for b in self.buckets for p in b.params],
+                f"{self.name}, collectives 'gather': use collectives='broadcast'",
             )
             buffer = torch.empty(
                 self.mesh.shard_size * self.slot_numel, dtype=self.param_dtype, device=device
@@ -129,17 +138,24 @@ class BoundaryGroup:
                 buffer = torch.empty(bucket.numel, dtype=bucket.param_dtype, device=device)
                 bucket.attach(buffer)
                 self._buffers.append(buffer)
+        for stack in self.stacks:
+            stack.lazy_init(device)
         self._free()
 
+    @property
+    def _storage(self) -> list[torch.Tensor]:
+        """Every buffer that holds full-size weights: the buckets', then the stacks'."""
+        return self._buffers + [stack.buffer for stack in self.stacks]
+
     def _allocate(self) -> None:
-        for buffer in self._buffers:
+        for buffer in self._storage:
             storage = buffer.untyped_storage()
             nbytes = buffer.numel() * buffer.element_size()
             if storage.size() != nbytes:
                 storage.resize_(nbytes)
 
     def _free(self) -> None:
-        for buffer in self._buffers:
+        for buffer in self._storage:
             buffer.untyped_storage().resize_(0)
 
     # ---------------------------------------------------------------- weights in
@@ -161,7 +177,7 @@ class BoundaryGroup:
         # must not bump their version counter (autograd would reject it). The counters are
         # put back once the collectives are waited for: gloo's all-gather copies into its
         # output (a bump) on its own thread, after the call returns.
-        self._version_guard = torch.autograd._unsafe_preserve_version_counter(tuple(self._buffers))
+        self._version_guard = torch.autograd._unsafe_preserve_version_counter(tuple(self._storage))
         comm = self.comm
         for bucket in self.buckets:
             if bucket.holds_weight:
@@ -172,6 +188,8 @@ class BoundaryGroup:
                 )
         if self.gathered:
             self._pending.append(comm.all_gather_slots(self._buffers[0], phase, what=self.name))
+        for stack in self.stacks:
+            self._pending.append(stack.unshard(comm, phase, self.name))
         self.unshard_state = UnshardState.PENDING
 
     def wait_unshard(self) -> None:
@@ -250,9 +268,9 @@ class BoundaryGroup:
     def reduce_grads(self) -> list[PendingReduce]:
         """Stage 1 (shard ranks, to the column) and, with replicas, stage 2 (across replicas,
         to the global owner) for every bucket; returns what owners unpack later."""
+        issued = [stack.reduce_grads(self.comm, self.name) for stack in self.stacks]
         if self.gathered:
-            return self._reduce_grads_gathered()
-        issued = []
+            return issued + self._reduce_grads_gathered()
         for bucket in self.buckets:
             flat = bucket.pack_grads()
             stage1 = self.comm.reduce_sum(

@@ -6,6 +6,10 @@ updates it. The ranks of shard column s_o (one per replica, the owner among them
 master weight and broadcast it inside their replica; every other rank holds an empty
 placeholder (so ``to_empty`` allocates and ``init_weights`` writes only there).
 
+A 3-D parameter is a stack of matrices (experts, dim 0), owned piece by piece: each slot keeps
+the master of its own experts (``piece``, see :func:`~dmuon_titan.plan.partition.stack_pieces`)
+and steps them; the pieces are gathered into the full-size stack for forward and backward.
+
 Outside a boundary's active window the module holds ``owned`` (master or placeholder). Inside
 it the module holds ``unsharded``: a full-size parameter in the compute dtype whose storage is
 a view into its bucket's broadcast buffer; autograd accumulates this rank's gradient into
@@ -19,6 +23,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..plan.partition import SHARDED, stack_pieces
 from .mesh import MeshInfo
 
 #: Attribute that marks dedicated parameters (owned, placeholder and unsharded alike): their
@@ -68,12 +73,27 @@ class DedicatedParam:
         self.shape = torch.Size(param.shape)
         self.numel = param.numel()
         self.orig_dtype = param.dtype
-        self.owner = owner  # the global slot (see MeshInfo)
-        self.owner_replica, self.owner_shard = mesh.owner_coordinates(owner)
-        #: this rank holds the full master weight (its replica's copy, or the owner's own)
-        self.holds_weight = mesh.holds_weight(owner)
-        #: this rank is the global owner: it keeps the optimizer state and steps the matrix
-        self.is_owner = owner == mesh.slot
+        self.owner = owner  # the global slot (see MeshInfo), or SHARDED for a stack
+        #: a stack of matrices (3-D), owned expert by expert
+        self.stacked = owner == SHARDED
+        if self.stacked:
+            #: this rank's experts [start, stop) of the stack (stacks only)
+            self.piece = stack_pieces(self.shape[0], mesh.world_size)[mesh.grid_rank]
+            self.owner_replica = self.owner_shard = SHARDED
+            self.holds_weight = self.is_owner = self.piece[1] > self.piece[0]
+            self.owned_shape = torch.Size((self.piece[1] - self.piece[0], *self.shape[1:]))
+        else:
+            self.owner_replica, self.owner_shard = mesh.owner_coordinates(owner)
+            #: this rank holds the full master weight (its replica's copy, or the owner's own)
+            self.holds_weight = mesh.holds_weight(owner)
+            #: this rank is the global owner: it keeps the optimizer state and steps the matrix
+            self.is_owner = owner == mesh.slot
+            # Zero rows but the same trailing dims where not held, so ``fan_in``-style
+            # initializers and ``ndim`` checks keep working; ``to_empty`` allocates nothing.
+            self.owned_shape = self.shape if self.holds_weight else (0, *self.shape[1:])
+        #: shape and elements of ``owned`` (the whole matrix, a stack's piece, or empty)
+        self.owned_shape = torch.Size(self.owned_shape)
+        self.owned_numel = self.owned_shape.numel()
         self.boundary_index = boundary_index
         #: the model's runtime state (a weak reference; set when the state is built)
         self.state_ref = None
@@ -81,14 +101,13 @@ class DedicatedParam:
         # ancestor decides them at lazy init.
         self.param_dtype = param.dtype
         self.reduce_dtype = param.dtype
-        if self.holds_weight:
+        if self.owned_shape == self.shape:
             self._owned = param
         else:
-            # Zero elements but the same trailing dims, so ``fan_in``-style initializers and
-            # ``ndim`` checks keep working; ``to_empty`` allocates nothing for it.
+            # A stack's piece (its values, if the model has any yet) or the empty placeholder.
+            start, stop = self.piece if self.stacked else (0, 0)
             self._owned = nn.Parameter(
-                torch.empty((0, *self.shape[1:]), dtype=param.dtype, device=param.device),
-                requires_grad=param.requires_grad,
+                param.detach()[start:stop].clone(), requires_grad=param.requires_grad
             )
             module._parameters[attr] = self._owned
         setattr(self._owned, DEDICATED_ATTR, self)
@@ -109,7 +128,7 @@ class DedicatedParam:
         current = self.module._parameters.get(self.attr)
         if current is self._owned or (current is not None and current is self.unsharded):
             return self._owned
-        expected = self.shape if self.holds_weight else self._owned.shape
+        expected = self.owned_shape
         if current is None or tuple(current.shape) != tuple(expected):
             raise RuntimeError(
                 f"dedicated parameter {self.fqn!r} was replaced on its module after "

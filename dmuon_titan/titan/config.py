@@ -34,7 +34,6 @@ class ConfigError(SystemExit):
         return self.message
 
 
-DEFAULT_PARAMS = [r"layers\.\d+\.(attention|feed_forward)\.[^.]+\.weight"]
 MODES = ("dedicated", "naive")
 HOOK_BOUNDARIES = ("block", "module")
 NS_DTYPES = {
@@ -53,12 +52,15 @@ class DMuon:
     "naive": every parameter stays on FSDP2 and every rank all-gathers each matrix and runs
     Newton-Schulz redundantly (same update rule; the reference and benchmark baseline)."""
 
-    params: list[str] = field(default_factory=lambda: list(DEFAULT_PARAMS))
+    params: list[str] = field(default_factory=list)
     """Regular expressions (Python ``re.fullmatch`` on the parameter FQN, wrapper segments such
-    as ``_checkpoint_wrapped_module`` removed) selecting the Muon matrices. Every pattern must
-    match at least one parameter, and every match must be 2-D. Default: the 2-D weights of the
-    attention and feed-forward modules of each transformer block; embeddings, output head and
-    norms stay on AdamW."""
+    as ``_checkpoint_wrapped_module`` removed) selecting the Muon parameters. Every pattern must
+    match at least one parameter; every match must be a 2-D matrix or a 3-D expert stack
+    ([experts, out, in] of a grouped-experts module), and not a tied weight. Default (empty):
+    chosen from what the parameters are — the nn.Linear weights inside the transformer blocks
+    (attention, feed-forward, shared experts) and the expert stacks go to Muon; embeddings,
+    output head, norms, biases, routers' gates and tied weights stay on AdamW
+    (``dmuon_titan.titan.selection``; the start-up log lists what went where)."""
 
     hook_boundary: str = "block"
     """Where a matrix's broadcast/reduce hooks live. "block": its transformer block
@@ -199,12 +201,10 @@ def validate(cfg: DMuon) -> None:
             isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
         ):
             raise _fail(key, value, "must be a number >= 0")
-    if (
-        not isinstance(cfg.params, list)
-        or not cfg.params
-        or not all(isinstance(p, str) for p in cfg.params)
-    ):
-        raise _fail("params", cfg.params, "must be a non-empty list of regular expressions")
+    if not isinstance(cfg.params, list) or not all(isinstance(p, str) for p in cfg.params):
+        raise _fail(
+            "params", cfg.params, "must be a list of regular expressions ([] for the default)"
+        )
     for pattern in cfg.params:
         try:
             re.compile(pattern)

@@ -7,22 +7,21 @@ run. The converter also checks, at start-up, that the rest of the job can work w
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
-from ..api import clean_fqn, dedicate_params, summarize_plan
+from ..api import dedicate_params, summarize_plan
 from ..options import options_kwargs
 from ..plan.cost import orthogonalize_flops
 from .config import ConfigError
+from .selection import describe_selection, muon_predicate
 
-#: Train specs whose builders learn DMuon (models of torchtitan 0.2.2 with llama-style blocks).
-MODEL_NAMES = ("llama3",)
+#: The train specs whose builders learn DMuon: every LLM torchtitan 0.2.2 ships.
+MODEL_NAMES = ("llama3", "llama4", "qwen3", "deepseek_v3", "gpt_oss")
 
 #: Attribute the converter sets on the model: the optimizer builder only receives
 #: ``[optimizer]`` and the model parts, so the ``[dmuon]`` settings travel with the model.
@@ -52,8 +51,9 @@ def check_compatibility(job_config, parallel_dims) -> None:
     cfg = job_config.dmuon
     if job_config.model.name not in MODEL_NAMES:
         raise ConfigError(
-            f"[model] name = {job_config.model.name!r}: DMuon serves {list(MODEL_NAMES)} so far "
-            "(its train spec learns the DMuon optimizer and the counting of dedicated matrices)"
+            f"[model] name = {job_config.model.name!r}: DMuon serves torchtitan's language "
+            f"models {list(MODEL_NAMES)} (their train specs learn the DMuon optimizer); use "
+            "one of them or another optimizer"
         )
     if job_config.optimizer.name != "DMuon":
         raise ConfigError(
@@ -86,33 +86,6 @@ def check_compatibility(job_config, parallel_dims) -> None:
         raise ConfigError("optimizer.early_step_in_backward = true: not supported with DMuon")
 
 
-def param_predicate(patterns: list[str], model: nn.Module):
-    """``(fqn, param) -> bool`` from the ``[dmuon] params`` regexes, after checking that each
-    pattern matches something and every match is 2-D."""
-    compiled = [re.compile(p) for p in patterns]
-    names = [(clean_fqn(n), p) for n, p in model.named_parameters()]
-    for pattern, regex in zip(patterns, compiled, strict=True):
-        hits = [(n, p) for n, p in names if regex.fullmatch(n)]
-        if not hits:
-            examples = [n for n, p in names if p.ndim == 2][:4] or [n for n, _ in names[:4]]
-            raise ConfigError(
-                f"[dmuon] params pattern {pattern!r} matches no parameter of the model "
-                f"(its matrices are named like {', '.join(map(repr, examples))}, ...)"
-            )
-        for n, p in hits:
-            if p.ndim != 2:
-                raise ConfigError(
-                    f"[dmuon] params pattern {pattern!r} matches {n!r} of shape "
-                    f"{tuple(p.shape)}; Muon needs 2-D matrices"
-                )
-
-    def predicate(name: str, param: torch.Tensor) -> bool:
-        name = clean_fqn(name)
-        return any(r.fullmatch(name) for r in compiled)
-
-    return predicate
-
-
 def dp_meshes(parallel_dims):
     """(shard mesh, replicate mesh) for torchtitan's data-parallel layout: FSDP (fsdp, None),
     HSDP (fsdp, dp_replicate), DDP (None, dp_replicate), one device (a one-rank mesh, None)."""
@@ -140,8 +113,9 @@ class DMuonConverter:
 
     def convert(self, model: nn.Module) -> None:
         cfg = self.job_config.dmuon
-        predicate = param_predicate(cfg.params, model)
+        predicate = muon_predicate(cfg.params, model)
         setattr(model, JOB_ATTR, DMuonJob(cfg, predicate))
+        logger.info(describe_selection(model, predicate))
         if cfg.mode == "naive":
             logger.info("DMuon naive mode: every parameter stays on FSDP2")
             return

@@ -82,3 +82,35 @@ def install_cpu_device() -> bool:
     parallel_dims.device_type = "cpu"
     profiling.device_module = module
     return True
+
+
+_histc = torch.histc
+
+
+def _histc_any_dtype(input, bins=100, min=0, max=0, *, out=None):  # noqa: A002 (torch's names)
+    """``torch.histc`` that also counts integer tensors on CPU (``histogram_cpu`` has no
+    kernel for them; torchtitan's MoE routers count expert indices with it): counted in
+    float32, returned in the input's dtype as the CUDA kernel does."""
+    if input.is_floating_point() or input.device.type != "cpu" or out is not None:
+        return _histc(input, bins=bins, min=min, max=max, out=out)
+    return _histc(input.float(), bins=bins, min=min, max=max).to(input.dtype)
+
+
+def install_moe_cpu_shims() -> None:
+    """What torchtitan's mixture-of-experts layers need on CPU (idempotent): integer
+    ``histc``, and the token permutation of the grouped-mm path (expert parallelism
+    included) by its CPU implementation instead of the Triton kernel."""
+    if torch.histc is not _histc_any_dtype:
+        torch.histc = _histc_any_dtype
+    import torchtitan.models.moe.utils as moe_utils
+
+    original = moe_utils.generate_permute_indices
+    if getattr(original, "_dmuon_cpu", False):
+        return
+
+    def generate_permute_indices(tokens_per_expert_group, *args, use_cpu=False, **kwargs):
+        use_cpu = use_cpu or tokens_per_expert_group.device.type == "cpu"
+        return original(tokens_per_expert_group, *args, use_cpu=use_cpu, **kwargs)
+
+    generate_permute_indices._dmuon_cpu = True
+    moe_utils.generate_permute_indices = generate_permute_indices

@@ -244,3 +244,15 @@ def test_optimizer_built_before_to_empty_trains_and_checkpoints():
     assert max(errors.values()) <= 1e-10
     momentum = [k for k, v in out["optim"]["state"].items() if "momentum_buffer" in v]
     assert len(momentum) == 21
+
+
+def test_tied_weight_stays_on_adamw_in_one_fsdp_group():
+    """An output head tied to the embedding, sharded like torchtitan shards them (each in a
+    group of its own, which torch 2.13's FSDP2 refuses for one parameter): the tied weight is
+    managed once, by the root's group, and training equals the reference."""
+    cfg = with_(EXACT, model="tied")
+    weights = run_ranks(parity_suite, 2, [cfg])[0][0]
+    reference = train_reference(cfg)
+    errors = relative_errors(weights, reference, initial_state(cfg))
+    assert max(errors.values()) <= 1e-10, max(errors, key=errors.get)
+    assert torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])

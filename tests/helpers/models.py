@@ -81,6 +81,8 @@ class ToyTransformer(nn.Module):
 
     def init_weights(self, seed: int = 0) -> None:
         """Deterministic init that works on any device (used after ``to_empty``)."""
+        state = getattr(self, "_dmuon_state", None)
+        stacks = {p.fqn: p for p in state.params if p.stacked} if state else {}
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if p.numel() == 0:  # a dedicated placeholder: the owner initializes it
@@ -90,7 +92,10 @@ class ToyTransformer(nn.Module):
                 # part of the name.)
                 for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
                     name = name.replace(wrapper, "")
-                full = init_value(name, p.shape, seed)
+                stack = stacks.get(name)
+                full = init_value(name, stack.shape if stack else p.shape, seed)
+                if stack is not None:  # this rank's experts of a DMuon stack
+                    full = full[stack.piece[0] : stack.piece[1]]
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.copy_(_local_piece(p, full).to(local.dtype))
 
@@ -124,6 +129,14 @@ def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy, at least in float32 (float64 models keep float64)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+
+class TiedTransformer(ToyTransformer):
+    """The output head shares the embedding's weight (qwen3's small flavors)."""
+
+    def __init__(self, vocab: int = 64, **kwargs) -> None:
+        super().__init__(vocab=vocab, **kwargs)
+        self.output.weight = self.tok_embeddings.weight
 
 
 class ReuseTransformer(ToyTransformer):
@@ -258,3 +271,130 @@ def moe_predicate(name: str, param: torch.Tensor) -> bool:
 def moe_boundary(module: nn.Module) -> bool:
     """The seed's Example 2: each expert is a hook site, the layer holds the rest."""
     return isinstance(module, (Expert, MoELayer))
+
+
+# ---------------------------------------------------------------- grouped experts (3-D stacks)
+class GroupedExperts(nn.Module):
+    """torchtitan's ``GroupedExperts`` layout: ``w1``/``w3`` ``[E, hidden, dim]``, ``w2``
+    ``[E, dim, hidden]``, run expert by expert on its tokens (an expert without tokens still
+    gets a zero gradient, as with torchtitan's for-loop and grouped-mm paths).
+
+    ``sliced``: the same weights as one 2-D parameter per expert (``w1.0``, ``w1.1``, ...), so
+    that the reference's ``torch.optim.Muon`` steps every slice as a matrix of its own."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, sliced: bool = False) -> None:
+        super().__init__()
+        self.n_experts, self.sliced = n_experts, sliced
+        shapes = {"w1": (hidden, dim), "w2": (dim, hidden), "w3": (hidden, dim)}
+        for name, shape in shapes.items():
+            if sliced:
+                slices = [nn.Parameter(torch.empty(shape)) for _ in range(n_experts)]
+                setattr(self, name, nn.ParameterList(slices))
+            else:
+                setattr(self, name, nn.Parameter(torch.empty(n_experts, *shape)))
+
+    def stack(self, name: str) -> torch.Tensor:
+        weight = getattr(self, name)
+        return torch.stack(list(weight)) if self.sliced else weight
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self.stack("w1"), self.stack("w2"), self.stack("w3")
+        out = torch.zeros_like(x)
+        for e in range(self.n_experts):
+            rows = (ids == e).nonzero().squeeze(1)
+            xe = x[rows]
+            h = F.silu(xe @ w1[e].T) * (xe @ w3[e].T)
+            out = out.index_add(0, rows, gates[rows] * (h @ w2[e].T))
+        return out
+
+
+class GroupedMoE(nn.Module):
+    """Router (top-1 by the ``token % E`` hash of ``MoELayer``, gated by its softmax), grouped
+    experts, and a shared expert every token goes through."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, sliced: bool = False) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = GroupedExperts(dim, hidden, n_experts, sliced)
+        self.shared_expert = FeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        flat, ids = x.reshape(-1, d), expert_ids.reshape(-1)
+        gates = torch.softmax(self.router(flat), dim=-1).gather(1, ids[:, None])
+        out = self.experts(flat, ids, gates) + self.shared_expert(flat)
+        return out.view(b, t, d)
+
+
+class GroupedMoEBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int, n_experts: int, sliced: bool = False) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim)
+        self.attention = Attention(dim, 4, 2)
+        self.moe_norm = nn.RMSNorm(dim)
+        self.moe = GroupedMoE(dim, hidden, n_experts, sliced)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.moe(self.moe_norm(h), expert_ids)
+
+
+class GroupedMoETransformer(nn.Module):
+    """Blocks of attention + a grouped-experts MoE layer (3-D expert stacks, a shared expert,
+    a router), as torchtitan's MoE models lay them out."""
+
+    init_weights = ToyTransformer.init_weights
+
+    def __init__(
+        self,
+        vocab: int = 64,
+        dim: int = 32,
+        hidden: int = 24,
+        n_layers: int = 2,
+        n_experts: int = 4,
+        sliced: bool = False,
+    ) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            [GroupedMoEBlock(dim, hidden, n_experts, sliced) for _ in range(n_layers)]
+        )
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, tokens % self.n_experts)
+        return self.output(self.norm(h))
+
+
+def grouped_moe_predicate(name: str, param: torch.Tensor) -> bool:
+    """Attention, shared-expert and expert matrices (3-D stacks included); not the router."""
+    return name.startswith("layers.") and param.ndim in (2, 3) and "router" not in name
+
+
+def sliced_to_stacked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ``sliced=True`` model's state dict with each ``<stack>.<e>`` list stacked back into
+    ``<stack>``, the keys of the stacked model."""
+    out, slices = {}, {}
+    for key, value in state.items():
+        head, _, tail = key.rpartition(".")
+        if ".experts.w" in key and tail.isdigit():
+            slices.setdefault(head, {})[int(tail)] = value
+        else:
+            out[key] = value
+    for head, parts in slices.items():
+        out[head] = torch.stack([parts[e] for e in sorted(parts)])
+    return out
+
+
+def stacked_to_sliced(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in state.items():
+        if ".experts.w" in key and value.ndim == 3:
+            out.update({f"{key}.{e}": value[e] for e in range(value.shape[0])})
+        else:
+            out[key] = value
+    return out

@@ -219,9 +219,11 @@ def dcp_save(rank: int, world_size: int, cfg: RunConfig, path: str, at: int) -> 
     model_sd = dmuon.get_model_state_dict(model, full=False)
     optim_sd = dmuon.get_optimizer_state_dict(model, optimizer, full=False)
     state = model._dmuon_state
-    for p in state.params:  # each dedicated key lives on its owner only
-        assert (p.fqn in model_sd) == p.is_owner, p.fqn
-        assert (f"state.{p.fqn}.momentum_buffer" in optim_sd) == p.is_owner, p.fqn
+    for p in state.params:  # each dedicated key lives on its owner only (a stack: everywhere,
+        # as the Shard(0) DTensor of its pieces)
+        expected = p.stacked or p.is_owner
+        assert (p.fqn in model_sd) == expected, p.fqn
+        assert (f"state.{p.fqn}.momentum_buffer" in optim_sd) == expected, p.fqn
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     return {
         "model": dmuon.get_model_state_dict(model),

@@ -12,6 +12,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -20,13 +21,18 @@ import dmuon_titan as dmuon
 from .models import (
     BRANCH_TOKEN,
     BranchTransformer,
+    GroupedMoETransformer,
     MoETransformer,
     ReuseTransformer,
+    TiedTransformer,
     ToyTransformer,
     dedicated_predicate,
+    grouped_moe_predicate,
     loss_fn,
     moe_boundary,
     moe_predicate,
+    sliced_to_stacked,
+    stacked_to_sliced,
 )
 
 MODELS = {
@@ -34,9 +40,12 @@ MODELS = {
     "reuse": ReuseTransformer,
     "branch": BranchTransformer,
     "moe": MoETransformer,
+    "grouped_moe": GroupedMoETransformer,
+    "tied": TiedTransformer,
 }
-#: the Muon matrices of each model (the reference's torch.optim.Muon gets the same)
-PREDICATES = {"moe": moe_predicate}
+#: the Muon matrices of each model (the reference's torch.optim.Muon gets the same; for
+#: "grouped_moe" every expert slice of the 3-D stacks as a matrix of its own)
+PREDICATES = {"moe": moe_predicate, "grouped_moe": grouped_moe_predicate}
 #: hook_boundary_predicate per model (default: the layers.N heuristic)
 BOUNDARIES = {"moe": moe_boundary}
 
@@ -86,7 +95,7 @@ def batch(cfg: RunConfig, step: int) -> torch.Tensor:
         first = tokens[:, 0]
         first[first == BRANCH_TOKEN] += 1
         first[:BRANCH_ROWS] = BRANCH_TOKEN
-    elif cfg.model == "moe":
+    elif cfg.model in ("moe", "grouped_moe"):
         assert cfg.batch == 24 and cfg.vocab % 4 == 0
         for rows, experts in MOE_ROW_EXPERTS:
             allowed = torch.tensor(experts)
@@ -123,8 +132,13 @@ def train_reference(
     exactly as shipped, i.e. bfloat16 NS). ``chunks > 1`` accumulates the same batch in
     chunks: the same math, summed in another order (a rounding-noise probe)."""
     dtype = torch.float64 if ns_precision == "float64" else torch.float32
-    model = MODELS[cfg.model](vocab=cfg.vocab)
-    model.init_weights()
+    sliced = cfg.model == "grouped_moe"
+    if sliced:  # the stacked model's initial weights, one 2-D parameter per expert
+        model = MODELS[cfg.model](vocab=cfg.vocab, sliced=True)
+        model.load_state_dict(stacked_to_sliced(initial_state(cfg)))
+    else:
+        model = MODELS[cfg.model](vocab=cfg.vocab)
+        model.init_weights()
     model.to(dtype)
     selected = PREDICATES.get(cfg.model, dedicated_predicate)
     muon_params = [p for n, p in model.named_parameters() if selected(n, p)]
@@ -155,7 +169,8 @@ def train_reference(
             adamw.step()
             muon.zero_grad()
             adamw.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    result = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return sliced_to_stacked(result) if sliced else result
 
 
 def initial_state(cfg: RunConfig) -> dict[str, torch.Tensor]:
@@ -209,8 +224,12 @@ def build_dmuon(cfg: RunConfig, world_size: int):
         if cfg.mixed_precision
         else MixedPrecisionPolicy()
     )
+    if cfg.model == "tied":  # torchtitan's wrapping: embedding and head in groups of their own
+        fully_shard(model.tok_embeddings, mesh=fsdp_mesh, mp_policy=mp)
+        fully_shard([model.norm, model.output], mesh=fsdp_mesh, mp_policy=mp)
     for layer in model.layers:
-        for expert in getattr(getattr(layer, "moe", None), "experts", ()):
+        experts = getattr(getattr(layer, "moe", None), "experts", ())
+        for expert in experts if isinstance(experts, nn.ModuleList) else ():
             fully_shard(expert, mesh=fsdp_mesh, mp_policy=mp)  # the seed's MoE wrapping
         fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)

@@ -17,13 +17,6 @@ REPO = Path(__file__).resolve().parents[2]
 TOY = REPO / "configs" / "toy_dmuon.toml"
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory):
-    from dmuon_titan.toy.data import ensure_tokenizer
-
-    return ensure_tokenizer(tmp_path_factory.mktemp("assets") / "tokenizer")
-
-
 def torchrun(nproc: int, *args: str, script: str | None = None, timeout: int = 600):
     env = {
         **os.environ,
@@ -350,7 +343,12 @@ def test_bad_toml_values_and_keys_are_named(tmp_path):
         ("toy_adamw.toml", ["--optimizer.name", "DMuon"], "converters"),
         ("toy_dmuon.toml", ["--dmuon.ns_steps", "0"], "[dmuon] ns_steps"),
         ("no-config-module", [], "custom_config_module"),
-        ("toy_dmuon.toml", ["--model.name", "qwen3"], "[model] name = 'qwen3'"),
+        ("toy_dmuon.toml", ["--model.name", "llama3_ft"], "[model] name = 'llama3_ft'"),
+        (
+            "toy_dmuon.toml",
+            ["--model.name", "qwen3", "--dmuon.params", "output\\.weight"],
+            "'output.weight', a tied weight",
+        ),
     ],
     ids=[
         "no-match",
@@ -361,6 +359,7 @@ def test_bad_toml_values_and_keys_are_named(tmp_path):
         "ns_steps",
         "no-config-module",
         "unserved-model",
+        "tied-weight",
     ],
 )
 def test_bad_config_exits_cleanly_under_torchrun(tokenizer_dir, tmp_path, config, override, key):

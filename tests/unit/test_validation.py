@@ -235,3 +235,24 @@ def test_no_dedicated_model_is_plain_adamw():
     model = nn.Linear(4, 4)
     opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
     assert opt.param_groups[0]["params"] == [] and len(opt.param_groups[1]["params"]) == 2
+
+
+class _Conv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3)
+        self.blob = nn.Parameter(torch.empty(2, 2, 2, 2))
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("conv.weight", r"'conv\.weight'.*Conv1d weight, not a stack of matrices"),
+        ("blob", r"'blob' has shape \(2, 2, 2, 2\).*3-D stacks"),
+    ],
+)
+def test_parameters_that_are_not_matrices_or_expert_stacks(cpu_mesh, name, match):
+    with torch.device("meta"):
+        model = _Conv()
+    with no_collectives(), pytest.raises(ValueError, match=match):
+        dmuon.dedicate_params(model, cpu_mesh, lambda n, p: n == name)

@@ -1,0 +1,125 @@
+"""Every language model torchtitan 0.2.2 ships, with DMuon from the same four TOML lines:
+what goes to Muon by default (from what the parameters are), and CPU training runs (gloo,
+2 ranks) of their debug flavors, mixture-of-experts ones included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .test_titan import model_size, run_ok, tb_losses, toy_args
+
+# (model, flavor, what the default rule puts on Muon: name patterns with layers.N folded)
+SELECTIONS = {
+    ("llama3", "debugmodel"): 42,
+    ("llama4", "debugmodel"): 51,
+    ("qwen3", "debugmodel"): 56,
+    ("qwen3", "debugmodel_moe"): 56,
+    ("deepseek_v3", "debugmodel"): 57,
+    ("gpt_oss", "debugmodel"): 24,
+}
+
+
+def _meta_model(name: str, flavor: str, with_args: bool = False):
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import dmuon_titan.toy  # noqa: F401  (the repository's flavors)
+
+    spec = get_train_spec(name)
+    args = spec.model_args[flavor]
+    if not hasattr(args, "moe_impl"):  # set from the job config by torchtitan's trainer
+        args.moe_impl = "standard"
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    return (model, args) if with_args else model
+
+
+@pytest.mark.parametrize("name, flavor", list(SELECTIONS))
+def test_default_selection_is_what_the_parameters_are(name, flavor):
+    from dmuon_titan.titan.selection import muon_predicate
+
+    model = _meta_model(name, flavor)
+    predicate = muon_predicate([], model)
+    muon = {n: p for n, p in model.named_parameters() if predicate(n, p)}
+    assert len(muon) == SELECTIONS[(name, flavor)]
+    for n, p in model.named_parameters():
+        leaf = n.rsplit(".", 1)[-1]
+        if n in muon:  # inside a block: a Linear weight or an expert stack
+            assert n.startswith("layers.") and p.ndim in (2, 3), n
+            assert ".router." not in n and leaf not in ("bias", "sinks"), n
+        else:  # embeddings, head, norms, biases, sinks, routers
+            assert (
+                p.ndim == 1
+                or not n.startswith("layers.")
+                or ".router." in n
+                or leaf.endswith("bias")
+            ), n
+    stacks = [n for n, p in muon.items() if p.ndim == 3]
+    has_experts = any(hasattr(m, "num_experts") for m in model.modules())
+    assert bool(stacks) == has_experts
+
+
+def test_a_3d_pattern_that_is_not_an_expert_stack_is_refused():
+    from dmuon_titan.titan.config import ConfigError
+    from dmuon_titan.titan.selection import muon_predicate
+
+    model = _meta_model("deepseek_v3", "debugmodel")
+    model.layers["1"].register_parameter("bogus", torch.nn.Parameter(torch.empty(2, 3, 4)))
+    with pytest.raises(
+        ConfigError, match=r"'layers\.1\.bogus' of shape \(2, 3, 4\).*not an expert"
+    ):
+        muon_predicate([r"layers\.1\.bogus"], model)
+
+
+# (model, flavor): trained 10 steps on 2 CPU ranks. gpt_oss is not here: its attention is
+# FlexAttention, which has no backward on CPU (torch's); qwen3's 64-expert debug model runs in
+# a slow test (15 s of CPU Newton-Schulz a step), its 8-expert cut here.
+MODELS = [
+    ("llama4", "debugmodel"),
+    ("qwen3", "debugmodel"),  # tied embedding and head: on AdamW, one FSDP2 group
+    ("qwen3", "debugmodel_moe_small"),
+    ("deepseek_v3", "debugmodel"),
+]
+
+
+def model_args(name: str, flavor: str, steps: int) -> list[str]:
+    return [
+        "--model.name",
+        name,
+        "--model.flavor",
+        flavor,
+        "--training.steps",
+        str(steps),
+        "--training.seq_len",
+        "64",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--validation.no-enable",  # not every train spec has a validator
+    ]
+
+
+def _trains(tokenizer_dir, tmp_path, name, flavor, steps=10):
+    dump = tmp_path / f"{name}-{flavor}"
+    out = run_ok(2, *toy_args(tokenizer_dir, dump, *model_args(name, flavor, steps)))
+    assert "DMuon params: Muon" in out
+    # The size torchtitan logs (and derives FLOPs and MFU from) is the whole model's: what
+    # its own count gives on the undistributed model, as under AdamW.
+    model, args = _meta_model(name, flavor, with_args=True)
+    assert model_size(out) == args.get_nparams_and_flops(model, 64)[0]
+    losses = tb_losses(dump)
+    assert sorted(losses) == list(range(1, steps + 1))
+    first, last = (losses[1] + losses[2]) / 2, (losses[steps - 1] + losses[steps]) / 2
+    assert last < first - 0.1, (name, flavor, losses)
+    return out
+
+
+@pytest.mark.parametrize("name, flavor", MODELS)
+def test_model_trains_with_dmuon(tokenizer_dir, tmp_path, name, flavor):
+    out = _trains(tokenizer_dir, tmp_path, name, flavor)
+    if flavor.startswith("debugmodel_moe") or name in ("llama4", "deepseek_v3"):
+        assert "expert stacks:" in out
+
+
+@pytest.mark.slow
+def test_qwen3_moe_debugmodel_trains_with_dmuon(tokenizer_dir, tmp_path):
+    _trains(tokenizer_dir, tmp_path, "qwen3", "debugmodel_moe")
