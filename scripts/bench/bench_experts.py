@@ -80,7 +80,7 @@ def run_variant(name: str, args, grads: dict[str, torch.Tensor]) -> dict:
         kwargs = {"ns_batch_numel": 0} if name == "dmuon_unbatched" else {}
         if name == "dmuon_auto":
             kwargs["ns_algorithm"] = "auto"
-        optimizer = dmuon.Muon(module, lr=0.02, weight_decay=0.1, **kwargs)
+        optimizer = dmuon.Muon(module, lr=0.02, weight_decay=0.1, adamw_lr=1e-3, **kwargs)
         for k, p in module.named_parameters():
             p.grad = grads[k].clone()
     torch.cuda.synchronize()
