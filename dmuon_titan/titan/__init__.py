@@ -3,8 +3,9 @@
 Importing this package (torchtitan does it at the start of ``Trainer.__init__``) registers:
 
 - the ``dmuon`` model converter (``[model] converters = ["dmuon"]``),
-- ``[optimizer] name = "DMuon"`` in the llama3 train spec's optimizer builder (every other
-  name goes to torchtitan's own builder, unchanged),
+- ``[optimizer] name = "DMuon"`` in the optimizer builders of torchtitan's language models
+  (``MODEL_NAMES``; every other name goes to the spec's own builder, unchanged, and DMuon's
+  container gets what the spec's builder adds, e.g. MoE load balancing),
 - owner-only checkpoints with a drain before every save, global-norm gradient clipping over
   owned matrices, DMuon figures in the metrics (model size and FLOPs counted with the dedicated
   matrices whole; progress and summary lines).
@@ -22,7 +23,7 @@ from .checkpoint import install_checkpoint_hooks
 from .clip import install_clip
 from .converter import MODEL_NAMES, DMuonConverter
 from .metrics import build_metrics_processor, count_full_sizes
-from .optimizer import build_optimizers
+from .optimizer import builder_for
 from .parallelize import wrap_parallelize
 
 _installed = False
@@ -52,7 +53,7 @@ def install() -> None:
             dataclasses.replace(
                 spec,
                 parallelize_fn=wrap_parallelize(spec.parallelize_fn),
-                build_optimizers_fn=build_optimizers,
+                build_optimizers_fn=builder_for(spec.build_optimizers_fn),
                 build_metrics_processor_fn=build_metrics_processor,
             ),
         )

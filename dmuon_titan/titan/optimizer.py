@@ -7,6 +7,7 @@ Checkpoints use the owner-only form (see ``dmuon_titan.state_dict``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from torchtitan.components import optimizer as titan_optimizer
@@ -56,7 +57,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
 
 def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None):
-    """torchtitan's ``build_optimizers_fn``: DMuon for ``name = "DMuon"``, stock otherwise."""
+    """torchtitan's ``build_optimizers``: DMuon for ``name = "DMuon"``, stock otherwise."""
     if optimizer_config.name != "DMuon":
         return _stock_build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     job = job_of(model_parts)
@@ -66,3 +67,31 @@ def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=No
             "dedicates the Muon matrices before parallelization)"
         )
     return DMuonOptimizersContainer(model_parts, optimizer_config, job.config, job.predicate)
+
+
+@contextlib.contextmanager
+def _dmuon_builder():
+    """torchtitan's MoE builder (``build_optimizers_with_moe_load_balancing``) calls the
+    module's ``build_optimizers`` and registers its expert-bias update on the result: for the
+    duration, that call builds DMuon's container."""
+    stock = titan_optimizer.build_optimizers
+    titan_optimizer.build_optimizers = build_optimizers
+    try:
+        yield
+    finally:
+        titan_optimizer.build_optimizers = stock
+
+
+def builder_for(spec_fn):
+    """A train spec's ``build_optimizers_fn`` that also serves ``name = "DMuon"``, keeping
+    what the spec's own builder adds (MoE load balancing: the expert-bias update hook)."""
+
+    def build(model_parts, optimizer_config, parallel_dims, ft_manager=None):
+        if optimizer_config.name != "DMuon":
+            return spec_fn(model_parts, optimizer_config, parallel_dims, ft_manager)
+        if spec_fn is _stock_build_optimizers:
+            return build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+        with _dmuon_builder():
+            return spec_fn(model_parts, optimizer_config, parallel_dims, ft_manager)
+
+    return build

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .test_titan import model_size, run_ok, tb_losses, toy_args
+from .test_titan import model_size, read_checkpoint, run_ok, tb_losses, toy_args
 
 # (model, flavor, what the default rule puts on Muon: name patterns with layers.N folded)
 SELECTIONS = {
@@ -98,9 +98,9 @@ def model_args(name: str, flavor: str, steps: int) -> list[str]:
     ]
 
 
-def _trains(tokenizer_dir, tmp_path, name, flavor, steps=10):
+def _trains(tokenizer_dir, tmp_path, name, flavor, steps=10, *extra):
     dump = tmp_path / f"{name}-{flavor}"
-    out = run_ok(2, *toy_args(tokenizer_dir, dump, *model_args(name, flavor, steps)))
+    out = run_ok(2, *toy_args(tokenizer_dir, dump, *model_args(name, flavor, steps), *extra))
     assert "DMuon params: Muon" in out
     # The size torchtitan logs (and derives FLOPs and MFU from) is the whole model's: what
     # its own count gives on the undistributed model, as under AdamW.
@@ -113,11 +113,20 @@ def _trains(tokenizer_dir, tmp_path, name, flavor, steps=10):
     return out
 
 
+#: train specs whose optimizer builder adds MoE load balancing (the expert-bias update)
+LOAD_BALANCED = ("llama4", "deepseek_v3")
+
+
 @pytest.mark.parametrize("name, flavor", MODELS)
 def test_model_trains_with_dmuon(tokenizer_dir, tmp_path, name, flavor):
-    out = _trains(tokenizer_dir, tmp_path, name, flavor)
-    if flavor.startswith("debugmodel_moe") or name in ("llama4", "deepseek_v3"):
+    save = ["--checkpoint.enable", "--checkpoint.interval", "10"] if name in LOAD_BALANCED else []
+    out = _trains(tokenizer_dir, tmp_path, name, flavor, 10, *save)
+    if flavor.startswith("debugmodel_moe") or name in LOAD_BALANCED:
         assert "expert stacks:" in out
+    if name in LOAD_BALANCED:  # the spec's expert-bias update runs with DMuon's optimizer
+        saved = read_checkpoint(tmp_path / f"{name}-{flavor}" / "checkpoint" / "step-10", tmp_path)
+        biases = [v for k, v in saved.items() if k.endswith("moe.expert_bias")]
+        assert biases and all(b.abs().sum() > 0 for b in biases), name
 
 
 @pytest.mark.slow
