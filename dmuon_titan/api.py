@@ -55,6 +55,7 @@ def dedicate_params(
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
     ns_algorithm: str = "plain",
     collectives: str = "broadcast",
+    expert_mesh: DeviceMesh | None = None,
 ) -> dict[str, Any]:
     """Give each selected matrix one owner rank and install the hooks that serve it.
 
@@ -92,6 +93,13 @@ def dedicate_params(
             reduce-scatter, all links busy at once) or ``"auto"`` (per boundary, the one with
             less traffic on the busiest link); see :mod:`dmuon_titan.plan.collectives`.
             Results are identical; only speed and padding differ.
+        expert_mesh: 1-D expert-parallel mesh (its ranks among the data-parallel ones) that
+            cuts every expert stack along dim 0, as EP's ``Shard(0)`` does: each rank computes
+            with its share of the experts, which is what forward sees (a ``Shard(0)`` DTensor
+            on this mesh), and that share's pieces are owned over the data-parallel ranks of
+            the same expert coordinate. The expert count must be divisible by its size. Your
+            expert parallelism then only dispatches tokens: it must leave the dedicated stacks
+            as they are (the torchtitan plugin makes torchtitan's ``ExpertParallel`` do so).
 
     Returns:
         :func:`summarize_plan` of the result.
@@ -104,7 +112,7 @@ def dedicate_params(
         ns_algorithm=ns_algorithm,
         collectives=collectives,
     )
-    _check_model_and_meshes(model, mesh, replicate_mesh)
+    _check_model_and_meshes(model, mesh, replicate_mesh, expert_mesh)
     # Validate → plan → build the runtime → install hooks: every input error comes before the
     # first collective, the check that all ranks computed the same plan.
     selected = _select_params(model, predicate)
@@ -113,6 +121,7 @@ def dedicate_params(
         [fqn for fqn, *_ in selected], modules, hook_boundary_predicate, hook_boundary_strict
     )
     specs = [ParamSpec(clean_fqn(fqn), tuple(p.shape), boundaries[fqn]) for fqn, p, *_ in selected]
+    _check_expert_counts(specs, expert_mesh)
     shard_size = mesh.size() if mesh is not None else 1
     replicate_size = replicate_mesh.size() if replicate_mesh is not None else 1
     plan = plan_partition(
@@ -132,16 +141,18 @@ def dedicate_params(
             _check_same_plan_everywhere(fingerprint, m)
     install_fully_shard_patch()  # fully_shard / replicate now skip dedicated parameters
     install_replicate_patch()
-    where = mesh_info(mesh, replicate_mesh, grid=any(spec.stacked for spec in specs))
+    stacks = any(spec.stacked for spec in specs)
+    where = mesh_info(mesh, replicate_mesh, grid=stacks, expert_mesh=expert_mesh)
     state = _build_runtime(model, plan, selected, modules, where, moved_by, options)
     setattr(model, STATE_ATTR, state)
     return summarize_plan(model)
 
 
-def _check_model_and_meshes(model: nn.Module, mesh, replicate_mesh) -> None:
+def _check_model_and_meshes(model: nn.Module, mesh, replicate_mesh, expert_mesh) -> None:
     if hasattr(model, STATE_ATTR):
         raise ValueError("dedicate_params was already applied to this model")
-    for name, m in (("mesh", mesh), ("replicate_mesh", replicate_mesh)):
+    meshes = (("mesh", mesh), ("replicate_mesh", replicate_mesh), ("expert_mesh", expert_mesh))
+    for name, m in meshes:
         if m is not None and (not isinstance(m, DeviceMesh) or m.ndim != 1):
             raise ValueError(
                 f"{name} must be a 1-D DeviceMesh, got {type(m).__name__} with shape "
@@ -242,6 +253,20 @@ def _select_params(model: nn.Module, predicate: ParamPredicate):
     if not selected:
         raise ValueError("predicate selected no parameters to dedicate")
     return selected
+
+
+def _check_expert_counts(specs: list[ParamSpec], expert_mesh: DeviceMesh | None) -> None:
+    """Expert parallelism cuts every stack into equal shares: its degree must divide them."""
+    if expert_mesh is None:
+        return
+    degree = expert_mesh.size()
+    for spec in specs:
+        if spec.stacked and spec.shape[0] % degree:
+            raise ValueError(
+                f"dedicated expert stack {spec.fqn!r} has {spec.shape[0]} experts, which the "
+                f"expert-parallel degree {degree} (expert_mesh) does not divide: use a degree "
+                "that divides the expert count"
+            )
 
 
 def _common_ancestor(model: nn.Module, fqns: list[str]) -> nn.Module:
@@ -431,9 +456,14 @@ def _bytes_per_step(
     stage1_param_bytes, stage1_reduce_bytes = 0, 0
     grid_param_bytes, grid_reduce_bytes = 0, 0  # stacks: over the whole grid, padding included
     for g in state.groups:
-        for stack in g.stacks:
-            grid_param_bytes += stack.world_size * stack.slot_numel * param_size(stack.param)
-            grid_reduce_bytes += stack.world_size * stack.slot_numel * reduce_size(stack.param)
+        for stack in g.stacks:  # (n - 1) / n of what an all-gather of n slots carries
+            share = (stack.world_size - 1) / stack.world_size
+            grid_param_bytes += (
+                share * stack.world_size * stack.slot_numel * param_size(stack.param)
+            )
+            grid_reduce_bytes += (
+                share * stack.world_size * stack.slot_numel * reduce_size(stack.param)
+            )
         if g.gathered:  # what the collectives carry, padding included (flags excluded)
             p0 = g.params[0]  # one dtype per gathered boundary (checked at lazy init)
             stage1_param_bytes += shard * g.slot_numel * param_size(p0)
@@ -447,13 +477,12 @@ def _bytes_per_step(
     reduce_bytes = sum(p.numel * reduce_size(p) for p in matrices)
     master_bytes = sum(p.numel * p.orig_dtype.itemsize for p in matrices)
     in_shard = (shard - 1) / shard
-    in_grid = (shard * replicas - 1) / (shard * replicas)
     across = (replicas - 1) / (replicas * shard)
-    forward = stage1_param_bytes * in_shard + grid_param_bytes * in_grid
+    forward = stage1_param_bytes * in_shard + grid_param_bytes
     per_step = {
         "forward_broadcast": forward,
         "backward_rebroadcast": forward if state.reshard_after_forward else 0.0,
-        "reduce": stage1_reduce_bytes * in_shard + grid_reduce_bytes * in_grid,
+        "reduce": stage1_reduce_bytes * in_shard + grid_reduce_bytes,
         "reduce_replicate": reduce_bytes * across,
         "replicate_broadcast": master_bytes * across,
     }

@@ -71,15 +71,22 @@ def _broadcast_from_owner(
 
 def _gather_stack(state: DMuonState, p: DedicatedParam, piece: torch.Tensor | None):
     """A stack's whole ``[experts, ...]`` tensor on every rank, as a CPU tensor, from each
-    rank's ``piece`` (``None`` where it holds none): one all-gather over the grid."""
-    world = state.mesh.world_size
-    per_slot = -(-p.shape[0] // world) * p.shape[1:].numel()
-    buf = torch.zeros(world * per_slot, dtype=p.orig_dtype, device=state.device)
+    rank's ``piece`` (``None`` where it holds none): one all-gather over the grid, and with
+    expert parallelism one more over the expert mesh."""
+    grid = state.mesh.grid_size
+    local = p.unsharded_shape
+    per_slot = -(-local[0] // grid) * p.shape[1:].numel()
+    buf = torch.zeros(grid * per_slot, dtype=p.orig_dtype, device=state.device)
     if piece is not None and piece.numel():
         start = state.mesh.grid_rank * per_slot
         buf[start : start + piece.numel()].copy_(piece.reshape(-1))
     state.comm.all_gather_slots(buf, "state_dict", group="grid_unshard").wait()
-    return _cpu_copy(buf[: p.numel].view(p.shape))
+    mine = buf[: local.numel()]
+    if local != p.shape:  # equal shares (the degree divides the expert count)
+        whole = torch.empty(p.numel, dtype=p.orig_dtype, device=state.device)
+        torch.distributed.all_gather_into_tensor(whole, mine, group=p.expert_mesh.get_group())
+        mine = whole
+    return _cpu_copy(mine.view(p.shape))
 
 
 def _stack_dtensor(state: DMuonState, p: DedicatedParam, piece: torch.Tensor | None):
@@ -92,8 +99,9 @@ def _stack_dtensor(state: DMuonState, p: DedicatedParam, piece: torch.Tensor | N
     mesh = getattr(state, "_grid_mesh", None)
     if mesh is None:
         mesh = state._grid_mesh = grid_device_mesh(state.mesh)
+    placements = [Shard(0)] * mesh.ndim  # (expert coordinate, then grid rank) with EP
     return DTensor.from_local(
-        piece.detach(), mesh, [Shard(0)], run_check=False, shape=p.shape, stride=_strides(p.shape)
+        piece.detach(), mesh, placements, run_check=False, shape=p.shape, stride=_strides(p.shape)
     )
 
 

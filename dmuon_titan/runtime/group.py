@@ -71,7 +71,7 @@ class BoundaryGroup:
                 by_column.setdefault(p.owner_shard, []).append(p)
         self.buckets = [OwnerBucket(s, by_column[s]) for s in sorted(by_column)]
         self.stacks = [
-            ExpertStack(p, self.mesh.world_size, self.mesh.grid_rank) for p in params if p.stacked
+            ExpertStack(p, self.mesh.grid_size, self.mesh.grid_rank) for p in params if p.stacked
         ]
         if collectives not in ("broadcast", "gather"):
             raise ValueError(f"collectives must be 'broadcast' or 'gather', got {collectives!r}")

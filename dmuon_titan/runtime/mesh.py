@@ -22,9 +22,14 @@ class MeshInfo:
 
     ``groups``: ``"unshard"`` and ``"reduce"`` over the shard ranks, ``"replicate"`` over the
     replicas, and, when the model has expert stacks, ``"grid_unshard"`` and ``"grid_reduce"``
-    over every slot (group rank = slot: the stacks' pieces are all-gathered and
-    reduce-scattered over the whole grid); ``None`` for a group of one rank. See
-    :func:`new_process_groups` for why DMuon has groups of its own.
+    over the ranks a stack's pieces are spread over (its *grid*): every slot, or with expert
+    parallelism the slots of this rank's expert-parallel coordinate (the ranks that hold the
+    same experts); ``None`` for a group of one rank. See :func:`new_process_groups` for why
+    DMuon has groups of its own.
+
+    Expert parallelism (an ``expert_size``-rank mesh inside the grid, EP's ``Shard(0)`` of
+    every stack): this rank computes with experts ``expert_rank``'s share of each stack, and
+    those experts' pieces live over the grid groups.
     """
 
     shard_size: int = 1
@@ -35,11 +40,19 @@ class MeshInfo:
     #: this rank's place in the grid groups (the rank of ``grid_unshard``: its members sorted
     #: by global rank, as ``new_group`` numbers them); the slot on replica-major meshes
     grid_rank: int = 0
+    #: ranks in the grid groups (every slot, or with expert parallelism world / expert_size)
+    grid_size: int = 1
+    #: expert-parallel degree and this rank's coordinate in it (1 and 0 without EP)
+    expert_size: int = 1
+    expert_rank: int = 0
+    #: with expert parallelism: the global ranks by (expert coordinate, grid rank), the layout
+    #: of the 2-D DeviceMesh whose (Shard(0), Shard(0)) DTensor a stack's pieces form
+    expert_layout: tuple[tuple[int, ...], ...] = ()
     groups: dict[str, dist.ProcessGroup | None] = field(
         default_factory=lambda: dict.fromkeys(("unshard", "reduce", "replicate"))
     )
-    #: the user's (shard, replicate) DeviceMeshes, for DTensors of stack pieces
-    device_meshes: tuple[DeviceMesh | None, DeviceMesh | None] = (None, None)
+    #: the user's (shard, replicate, expert) DeviceMeshes, for DTensors of stack pieces
+    device_meshes: tuple[DeviceMesh | None, ...] = (None, None, None)
 
     @property
     def world_size(self) -> int:
@@ -63,7 +76,7 @@ class MeshInfo:
     def size(self, group: str) -> int:
         """Ranks in DMuon group ``group`` (``"unshard"``/``"reduce"``: the shard ranks)."""
         if group.startswith("grid"):
-            return self.world_size
+            return self.grid_size
         return self.replicate_size if group == "replicate" else self.shard_size
 
     def rank(self, group: str) -> int:
@@ -73,11 +86,15 @@ class MeshInfo:
 
 
 def mesh_info(
-    mesh: DeviceMesh | None, replicate_mesh: DeviceMesh | None, grid: bool = False
+    mesh: DeviceMesh | None,
+    replicate_mesh: DeviceMesh | None,
+    grid: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> MeshInfo:
     """The grid of a 1-D shard mesh and a 1-D replicate mesh (either may be ``None``), with
     DMuon's own process groups created on it (every rank of the world must call this);
-    ``grid``: also the groups over every slot (expert stacks)."""
+    ``grid``: also the groups a stack's pieces are spread over; ``expert_mesh``: the 1-D
+    expert-parallel mesh that already cuts the stacks (its ranks are data-parallel ranks)."""
     shard_group = mesh.get_group() if mesh is not None else None
     replicate_group = replicate_mesh.get_group() if replicate_mesh is not None else None
     device_type = (mesh or replicate_mesh).device_type
@@ -86,17 +103,25 @@ def mesh_info(
         if device_type == "cuda"
         else torch.device(device_type)
     )
-    groups = new_process_groups(shard_group, replicate_group, grid)
+    expert = (expert_mesh.size(), expert_mesh.get_local_rank()) if expert_mesh else (1, 0)
+    groups, layout = new_process_groups(shard_group, replicate_group, grid, expert)
     grid_group = groups.get("grid_unshard")
+    world = (mesh.size() if mesh is not None else 1) * (
+        replicate_mesh.size() if replicate_mesh is not None else 1
+    )
     return MeshInfo(
         grid_rank=dist.get_rank(grid_group) if grid_group is not None else 0,
+        grid_size=world // expert[0],
+        expert_size=expert[0],
+        expert_rank=expert[1],
+        expert_layout=layout,
         shard_size=mesh.size() if mesh is not None else 1,
         shard_rank=mesh.get_local_rank() if mesh is not None else 0,
         replicate_size=replicate_mesh.size() if replicate_mesh is not None else 1,
         replicate_rank=replicate_mesh.get_local_rank() if replicate_mesh is not None else 0,
         device=device,
         groups=groups,
-        device_meshes=(mesh, replicate_mesh),
+        device_meshes=(mesh, replicate_mesh, expert_mesh),
     )
 
 
@@ -104,11 +129,14 @@ def new_process_groups(
     shard_group: dist.ProcessGroup | None,
     replicate_group: dist.ProcessGroup | None,
     grid: bool = False,
-) -> dict[str, dist.ProcessGroup | None]:
+    expert: tuple[int, int] = (1, 0),
+) -> tuple[dict[str, dist.ProcessGroup | None], tuple[tuple[int, ...], ...]]:
     """DMuon's own groups: ``unshard`` and ``reduce`` with the ranks of ``shard_group``,
     ``replicate`` with those of ``replicate_group``, and with ``grid`` ``grid_unshard`` and
-    ``grid_reduce`` with every rank of the replicate × shard grid in slot order (``None`` for
-    a group of one rank).
+    ``grid_reduce`` with the ranks of the replicate × shard grid that share this rank's
+    expert-parallel coordinate (``expert``: degree, coordinate; all of them without EP)
+    (``None`` for a group of one rank). Also, with EP, the global ranks by (expert
+    coordinate, grid rank).
 
     Collectives on one process group must be issued in the same order on every rank. FSDP2's
     own collectives, DMuon's weight broadcasts (the forward/backward schedule) and its
@@ -129,36 +157,57 @@ def new_process_groups(
         "unshard": ranks_of(shard_group),
         "reduce": ranks_of(shard_group),
         "replicate": ranks_of(replicate_group),
+        "expert": expert[1],
     }
-    kinds = (*mine, "grid_unshard", "grid_reduce") if grid else tuple(mine)
+    kinds = ("unshard", "reduce", "replicate")
+    kinds = (*kinds, "grid_unshard", "grid_reduce") if grid else kinds
     result: dict[str, dist.ProcessGroup | None] = dict.fromkeys(kinds)
-    if dist.get_world_size() == 1 or all(r is None for r in mine.values()):
-        return result
+    if dist.get_world_size() == 1 or all(mine[k] is None for k in kinds[:3]):
+        return result, ()
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
+    layout: tuple[tuple[int, ...], ...] = ()
     if grid:
         everyone = [_with_grid(theirs, x, everyone) for x, theirs in enumerate(everyone)]
         mine = everyone[dist.get_rank()]
-    wanted = sorted({(kind, r) for theirs in everyone for kind, r in theirs.items() if r})
+        if expert[0] > 1:
+            grids = {theirs["expert"]: theirs["grid_unshard"] for theirs in everyone}
+            layout = tuple(tuple(grids[c] or ()) for c in range(expert[0]))
+    wanted = sorted(
+        {(kind, r) for theirs in everyone for kind, r in theirs.items() if kind in kinds and r}
+    )
     for kind, ranks in wanted:
         group = dist.new_group(list(ranks))
         if mine[kind] == ranks:
             result[kind] = group
-    return result
+    return result, layout
 
 
 def _with_grid(theirs: dict, rank: int, everyone: list) -> dict:
     """``theirs`` (rank ``rank``'s groups) with its grid groups, derived from what every rank
-    gathered: the shard ranks of each of its replicas, in replica order (slot order)."""
+    gathered: the shard ranks of each of its replicas (every slot of its data-parallel grid)
+    that share its expert coordinate, sorted (``new_group``'s numbering)."""
     replicas = theirs["replicate"] or (rank,)
-    slots = tuple(r for x in replicas for r in (everyone[x]["unshard"] or (x,)))
+    slots = [r for x in replicas for r in (everyone[x]["unshard"] or (x,))]
+    slots = tuple(sorted(r for r in slots if everyone[r]["expert"] == theirs["expert"]))
     grid = slots if len(slots) > 1 else None
     return {**theirs, "grid_unshard": grid, "grid_reduce": grid}
 
 
 def grid_device_mesh(mesh: MeshInfo) -> DeviceMesh:
-    """A 1-D DeviceMesh over every slot whose coordinates are grid ranks (a stack's pieces
-    are its ``Shard(0)``), made from the grid group without a collective."""
-    shard, replicate = mesh.device_meshes
+    """The DeviceMesh whose ``Shard(0)`` on every dimension a stack's pieces form, made from
+    existing groups without a collective: 1-D over the grid ranks, or with expert
+    parallelism 2-D (expert coordinate, grid rank)."""
+    shard, replicate, expert = mesh.device_meshes
     device_type = (shard or replicate).device_type
-    return DeviceMesh.from_group(mesh.groups["grid_unshard"], device_type)
+    grid = mesh.groups["grid_unshard"]
+    if mesh.expert_size == 1:
+        return DeviceMesh.from_group(grid, device_type)
+    if grid is None:  # one rank per expert coordinate: the expert mesh is the whole grid
+        return expert
+    return DeviceMesh.from_group(
+        [expert.get_group(), grid],
+        device_type,
+        mesh=torch.tensor(mesh.expert_layout),
+        mesh_dim_names=("ep", "grid"),
+    )

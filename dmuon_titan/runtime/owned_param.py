@@ -76,9 +76,18 @@ class DedicatedParam:
         self.owner = owner  # the global slot (see MeshInfo), or SHARDED for a stack
         #: a stack of matrices (3-D), owned expert by expert
         self.stacked = owner == SHARDED
+        #: what forward and backward see: the whole matrix, or with expert parallelism this
+        #: rank's experts of a stack (EP's Shard(0): the experts it computes with)
+        self.unsharded_shape = self.shape
         if self.stacked:
-            #: this rank's experts [start, stop) of the stack (stacks only)
-            self.piece = stack_pieces(self.shape[0], mesh.world_size)[mesh.grid_rank]
+            experts = self.shape[0]
+            first, last = 0, experts
+            if mesh.expert_size > 1:
+                first, last = stack_pieces(experts, mesh.expert_size)[mesh.expert_rank]
+                self.unsharded_shape = torch.Size((last - first, *self.shape[1:]))
+            start, stop = stack_pieces(last - first, mesh.grid_size)[mesh.grid_rank]
+            #: this rank's experts [start, stop) of the stack, global indices (stacks only)
+            self.piece = (first + start, first + stop)
             self.owner_replica = self.owner_shard = SHARDED
             self.holds_weight = self.is_owner = self.piece[1] > self.piece[0]
             self.owned_shape = torch.Size((self.piece[1] - self.piece[0], *self.shape[1:]))
@@ -113,6 +122,8 @@ class DedicatedParam:
         setattr(self._owned, DEDICATED_ATTR, self)
         _DEDICATED_SLOTS.setdefault(module, set()).add(attr)
         self.unsharded: nn.Parameter | None = None
+        #: with expert parallelism, the expert mesh: the unsharded stack is its Shard(0)
+        self.expert_mesh = mesh.device_meshes[2] if self.stacked else None
         #: whether this rank had a gradient when the boundary last packed its gradients
         self.packed_local_grad = False
 
@@ -155,10 +166,21 @@ class DedicatedParam:
             )
 
     def make_unsharded(self, flat_view: torch.Tensor) -> None:
-        """Create the full-size compute parameter over ``flat_view`` (its bucket's buffer)."""
-        self.unsharded = nn.Parameter(
-            flat_view.view(self.shape), requires_grad=self.owned.requires_grad
-        )
+        """Create the full-size compute parameter over ``flat_view`` (its bucket's buffer);
+        with expert parallelism a ``Shard(0)`` DTensor on the expert mesh, as EP makes it."""
+        data = flat_view.view(self.unsharded_shape)
+        if self.expert_mesh is not None and self.expert_mesh.size() > 1:
+            from torch.distributed.tensor import DTensor, Shard
+
+            data = DTensor.from_local(
+                data,
+                self.expert_mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=self.shape,
+                stride=torch.empty(self.shape, device="meta").stride(),
+            )
+        self.unsharded = nn.Parameter(data, requires_grad=self.owned.requires_grad)
         setattr(self.unsharded, DEDICATED_ATTR, self)
 
     def install(self) -> None:

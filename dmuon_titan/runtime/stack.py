@@ -1,11 +1,12 @@
-"""One expert stack of a boundary: a 3-D parameter owned piece by piece over the whole grid.
+"""One expert stack of a boundary: a 3-D parameter owned piece by piece over its grid.
 
 Every slot keeps the master of its own experts (``DedicatedParam.piece``, cut by
-:func:`~dmuon_titan.plan.partition.stack_pieces`) and steps them. The full-size stack is one
-buffer of one equal slot per grid rank, each rank's experts at its slot, padded at the end:
-one all-gather fills it (forward, and again before backward under Z3) and the stack is a
-plain contiguous view of it, with no copy out. Gradients go back by one reduce-scatter; each
-slot carries its experts' gradient sum and one presence flag.
+:func:`~dmuon_titan.plan.partition.stack_pieces`) and steps them. The full-size stack (with
+expert parallelism: this rank's EP share of it) is one buffer of one equal slot per grid
+rank, each rank's experts at its slot, padded at the end: one all-gather fills it (forward,
+and again before backward under Z3) and the stack is a plain contiguous view of it, with no
+copy out. Gradients go back by one reduce-scatter; each slot carries its experts' gradient
+sum and one presence flag.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ class ExpertStack:
 
     def __init__(self, param: DedicatedParam, world_size: int, grid_rank: int) -> None:
         self.param = param
-        self.world_size = world_size
+        self.world_size = world_size  # of the grid
         self.grid_rank = grid_rank
-        self.pieces = stack_pieces(param.shape[0], world_size)
+        experts = param.unsharded_shape[0]
+        #: [start, stop) per grid rank, within the experts this rank computes with
+        self.pieces = stack_pieces(experts, world_size)
         #: elements of one matrix (expert) of the stack
         self.matrix_numel = param.shape[1:].numel()
-        experts_per_slot = -(-param.shape[0] // world_size)
+        experts_per_slot = -(-experts // world_size)
         #: weights per grid rank in the gathered buffer (a piece, padded to the longest)
         self.slot_numel = experts_per_slot * self.matrix_numel
         #: gradients per grid rank in the reduce buffer: the slot, then the presence flag
@@ -40,7 +43,7 @@ class ExpertStack:
         self.buffer = torch.empty(
             self.world_size * self.slot_numel, dtype=p.param_dtype, device=device
         )
-        p.make_unsharded(self.buffer[: p.numel])
+        p.make_unsharded(self.buffer[: p.unsharded_shape.numel()])
 
     def unshard(self, comm: Collectives, phase: str, what: str) -> Pending:
         """Copy (and cast) this rank's master piece into its slot; all-gather the slots."""
@@ -57,6 +60,8 @@ class ExpertStack:
         presence flag each, reduce-scattered: each owner receives its piece's sum."""
         p = self.param
         grad = p.unsharded.grad
+        if grad is not None and hasattr(grad, "to_local"):  # expert parallelism's DTensor
+            grad = grad.to_local()
         p.packed_local_grad = grad is not None
         slot = self.reduce_slot_numel
         flat = torch.zeros(self.world_size * slot, dtype=p.reduce_dtype, device=self.buffer.device)

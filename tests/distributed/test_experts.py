@@ -11,7 +11,13 @@ import torch
 
 from ..helpers import relative_errors
 from ..helpers.harness import run_ranks
-from ..helpers.scenarios import dcp_load, dcp_save, resume_load, resume_save
+from ..helpers.scenarios import (
+    dcp_load,
+    dcp_save,
+    expert_count_not_divisible,
+    resume_load,
+    resume_save,
+)
 from ..helpers.training import RunConfig, initial_state, parity_suite, train_reference, with_
 
 EXPERTS = RunConfig(param_dtype=torch.float64, ns_dtype=torch.float64, model="grouped_moe")
@@ -23,10 +29,22 @@ FSDP_CASES = [
     with_(EXPERTS, collectives="auto", activation_checkpointing=True),
     with_(EXPERTS, micro_batches=2, reshard_after_forward=False, max_norm=0.5),
 ]
-#: layouts with replicas: DDP on 2 ranks, HSDP 2 × 2 on 4
+#: layouts with replicas (DDP on 2 ranks, HSDP 2 × 2 on 4) and expert parallelism (the
+#: expert mesh cuts the stacks; each share's pieces are owned over the ranks that hold it)
 REPLICA_CASES = {
-    2: [with_(EXPERTS, ddp=True), with_(EXPERTS, ddp=True, reshard_after_forward=False)],
-    4: [with_(EXPERTS, replicate=2), with_(EXPERTS, replicate=2, collectives="gather")],
+    2: [
+        with_(EXPERTS, ddp=True),
+        with_(EXPERTS, ddp=True, reshard_after_forward=False),
+        with_(EXPERTS, ep=2),
+    ],
+    4: [
+        with_(EXPERTS, replicate=2),
+        with_(EXPERTS, replicate=2, collectives="gather"),
+        with_(EXPERTS, ep=2),
+        with_(EXPERTS, ep=2, reshard_after_forward=False, activation_checkpointing=True),
+        with_(EXPERTS, ep=4),
+        with_(EXPERTS, ep=2, replicate=2),
+    ],
 }
 
 
@@ -67,15 +85,25 @@ def test_expert_stacks_resume_at_another_world_size():
     assert max(errors.values()) <= 1e-12
 
 
-@pytest.mark.parametrize("save_on, load_on", [(3, 2), (2, 4)])
-def test_expert_stacks_dcp_checkpoint_reshards(tmp_path, save_on, load_on):
-    """The DCP form holds each stack as the Shard(0) DTensor of its pieces: saved at one world
-    size, loaded at another, weights and momentum bit for bit."""
-    saved = run_ranks(dcp_save, save_on, EXPERTS, str(tmp_path), 3)[0]
-    loaded = run_ranks(dcp_load, load_on, EXPERTS, str(tmp_path))[0]
+@pytest.mark.parametrize(
+    "save_on, save_ep, load_on, load_ep", [(3, 1, 2, 1), (2, 1, 4, 4), (4, 2, 2, 1), (2, 2, 4, 2)]
+)
+def test_expert_stacks_dcp_checkpoint_reshards(tmp_path, save_on, save_ep, load_on, load_ep):
+    """The DCP form holds each stack as the Shard(0) DTensor of its pieces (with expert
+    parallelism, of the expert mesh and then the grid): saved at one world size and expert
+    degree, loaded at another, weights and momentum bit for bit."""
+    saved = run_ranks(dcp_save, save_on, with_(EXPERTS, ep=save_ep), str(tmp_path), 3)[0]
+    loaded = run_ranks(dcp_load, load_on, with_(EXPERTS, ep=load_ep), str(tmp_path))[0]
     assert saved["model"].keys() == loaded["model"].keys()
     for k, v in saved["model"].items():
         assert torch.equal(v, loaded["model"][k]), k
     for k, entry in saved["optim"]["state"].items():
         for name, v in entry.items():
             assert torch.equal(v, loaded["optim"]["state"][k][name]), (k, name)
+
+
+def test_expert_count_that_expert_parallelism_does_not_divide():
+    messages = run_ranks(expert_count_not_divisible, 2)
+    for message in messages:
+        assert "'layers.0.moe.experts.w1' has 3 experts" in message, message
+        assert "expert-parallel degree 2" in message, message

@@ -293,19 +293,60 @@ class GroupedExperts(nn.Module):
             else:
                 setattr(self, name, nn.Parameter(torch.empty(n_experts, *shape)))
 
+    #: expert parallelism: the group whose ranks hold equal shares of the experts (set by the
+    #: test after dedicate_params with an expert mesh); None: every expert here
+    ep_group = None
+
     def stack(self, name: str) -> torch.Tensor:
         weight = getattr(self, name)
-        return torch.stack(list(weight)) if self.sliced else weight
+        if self.sliced:
+            return torch.stack(list(weight))
+        return weight.to_local() if hasattr(weight, "to_local") else weight  # EP's Shard(0)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
+        """Experts ``first ..`` (``count`` of them, this rank's) on their tokens, ungated."""
         w1, w2, w3 = self.stack("w1"), self.stack("w2"), self.stack("w3")
         out = torch.zeros_like(x)
-        for e in range(self.n_experts):
-            rows = (ids == e).nonzero().squeeze(1)
+        for e in range(count):
+            rows = (ids == first + e).nonzero().squeeze(1)
             xe = x[rows]
             h = F.silu(xe @ w1[e].T) * (xe @ w3[e].T)
-            out = out.index_add(0, rows, gates[rows] * (h @ w2[e].T))
+            out = out.index_add(0, rows, h @ w2[e].T)
         return out
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        if self.ep_group is None:
+            return gates * self._run(x, ids, 0, self.n_experts)
+        return gates * self._dispatched(x, ids)
+
+    def _dispatched(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: tokens to the rank that holds their expert and back (all-to-all
+        over ``ep_group``), as torchtitan's ExpertParallel does."""
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_to_all_single
+
+        ep = dist.get_world_size(self.ep_group)
+        per_rank = self.n_experts // ep
+        order = torch.argsort(ids // per_rank, stable=True)
+        send = torch.bincount(ids // per_rank, minlength=ep)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.ep_group)
+        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+        ids_in = ids.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(ids_in, ids[order], recv_sizes, send_sizes, group=self.ep_group)
+        x_in = all_to_all_single(
+            x.new_empty(sum(recv_sizes), x.shape[1]),
+            x[order],
+            recv_sizes,
+            send_sizes,
+            group=self.ep_group,
+        )
+        first = dist.get_rank(self.ep_group) * per_rank
+        y_in = self._run(x_in, ids_in, first, per_rank)
+        y = all_to_all_single(
+            x.new_empty(x.shape), y_in, send_sizes, recv_sizes, group=self.ep_group
+        )
+        return torch.zeros_like(y).index_copy(0, order, y)
 
 
 class GroupedMoE(nn.Module):

@@ -319,3 +319,28 @@ def reuse_beyond_schedule(rank: int, world_size: int, cfg: RunConfig) -> None:
     if rank == 1:
         model.order = (0, 1, 0, 0, 2)
     train_step(cfg, model, optimizer, 1, rank, world_size)
+
+
+def expert_count_not_divisible(rank: int, world_size: int) -> str:
+    """dedicate_params with 3 experts per stack and an expert mesh of 2: the error message,
+    raised before any collective (every collective is patched to fail)."""
+    from unittest import mock
+
+    from .models import GroupedMoETransformer, grouped_moe_predicate
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    expert_mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("efsdp", "ep"))["ep"]
+    with torch.device("meta"):
+        model = GroupedMoETransformer(n_experts=3)
+    names = ("all_gather", "all_gather_object", "broadcast", "all_reduce", "new_group")
+    patches = [mock.patch.object(dist, n, side_effect=AssertionError(n)) for n in names]
+    for p in patches:
+        p.start()
+    try:
+        dmuon.dedicate_params(model, mesh, grouped_moe_predicate, expert_mesh=expert_mesh)
+    except ValueError as err:
+        return str(err)
+    finally:
+        for p in patches:
+            p.stop()
+    return "no error"

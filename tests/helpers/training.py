@@ -79,6 +79,7 @@ class RunConfig:
     replicate_async: bool = True
     collectives: str = "broadcast"  # dedicate_params(collectives=...): stage-1 layout
     optimizer_first: bool = False  # build Muon after fully_shard but before to_empty
+    ep: int = 1  # expert parallelism ("grouped_moe"): ranks (fsdp // ep, ep), experts cut by ep
 
 
 #: MoE data: the expert residues (token % 4) each block of rows may use. Whatever the world
@@ -193,6 +194,11 @@ def build_dmuon(cfg: RunConfig, world_size: int):
     else:
         fsdp_mesh = shard_mesh = init_device_mesh(cfg.device, (world_size,))
         replicate_mesh = None
+    expert_mesh = None
+    if cfg.ep > 1:  # torchtitan's layout: the expert mesh inside the data-parallel ranks
+        expert_mesh = init_device_mesh(
+            cfg.device, (world_size // cfg.ep, cfg.ep), mesh_dim_names=("efsdp", "ep")
+        )["ep"]
     ctx = torch.device("meta") if cfg.meta_init else torch.device(cfg.device)
     with ctx:
         model = MODELS[cfg.model](vocab=cfg.vocab).to(cfg.param_dtype)
@@ -207,7 +213,11 @@ def build_dmuon(cfg: RunConfig, world_size: int):
         small_param_numel=cfg.small_param_numel,
         ns_algorithm=cfg.ns_algorithm,
         collectives=cfg.collectives,
+        expert_mesh=expert_mesh,
     )
+    if expert_mesh is not None:
+        for layer in model.layers:
+            layer.moe.experts.ep_group = expert_mesh.get_group()
     if cfg.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             checkpoint_wrapper,
