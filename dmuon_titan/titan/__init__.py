@@ -24,7 +24,7 @@ from .clip import install_clip
 from .converter import MODEL_NAMES, DMuonConverter
 from .metrics import build_metrics_processor, count_full_sizes
 from .optimizer import builder_for
-from .parallelize import wrap_parallelize
+from .parallelize import install_expert_parallel_patch, wrap_parallelize
 
 _installed = False
 
@@ -58,6 +58,7 @@ def install() -> None:
             ),
         )
     install_checkpoint_hooks()
+    install_expert_parallel_patch()
     install_clip()
     _installed = True
 

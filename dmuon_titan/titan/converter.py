@@ -65,14 +65,19 @@ def check_compatibility(job_config, parallel_dims) -> None:
         "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
         "parallelism.pipeline_parallel_degree": p.pipeline_parallel_degree,
         "parallelism.context_parallel_degree": p.context_parallel_degree,
-        "parallelism.expert_parallel_degree": p.expert_parallel_degree,
+        "parallelism.expert_tensor_parallel_degree": p.expert_tensor_parallel_degree,
     }
     for key, value in unsupported.items():
         if value not in (1, None):
             raise ConfigError(
-                f"{key} = {value}: not supported with DMuon (data parallelism only: FSDP, "
-                "HSDP or DDP)"
+                f"{key} = {value}: not supported with DMuon yet (data parallelism — FSDP, "
+                "HSDP, DDP — and expert parallelism are)"
             )
+    if p.expert_parallel_degree > 1 and p.expert_parallel_comm_backend != "standard":
+        raise ConfigError(
+            f"parallelism.expert_parallel_comm_backend = {p.expert_parallel_comm_backend!r}: "
+            'DMuon serves expert parallelism with the "standard" backend only'
+        )
     if cfg.mode == "dedicated":
         quantizers = [c for c in job_config.model.converters if c.startswith("quantize.")]
         if quantizers:
@@ -121,14 +126,25 @@ class DMuonConverter:
             return
         boundary = (lambda m: True) if cfg.hook_boundary == "module" else None
         shard_mesh, replicate_mesh = dp_meshes(self.parallel_dims)
-        dedicate_params(
-            model,
-            shard_mesh,
-            predicate,
-            hook_boundary_predicate=boundary,
-            replicate_mesh=replicate_mesh,
-            **options_kwargs(cfg.dedicate_options()),
+        expert_mesh = (
+            self.parallel_dims.get_optional_mesh("ep") if self.parallel_dims.ep > 1 else None
         )
+        try:
+            dedicate_params(
+                model,
+                shard_mesh,
+                predicate,
+                hook_boundary_predicate=boundary,
+                replicate_mesh=replicate_mesh,
+                expert_mesh=expert_mesh,
+                **options_kwargs(cfg.dedicate_options()),
+            )
+        except ValueError as err:
+            if "expert-parallel degree" not in str(err):
+                raise
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree = {self.parallel_dims.ep}: {err}"
+            ) from None
         training = self.job_config.training
         summary = summarize_plan(
             model,
@@ -148,7 +164,8 @@ class DMuonConverter:
         logger.info(
             f"DMuon: {summary['num_params']} matrices on {summary['world_size']} ranks "
             f"({_count(summary['replicate_size'], 'replica')} x "
-            f"{_count(summary['shard_size'], 'shard')}), "
+            f"{_count(summary['shard_size'], 'shard')}"
+            f"{f', experts cut by expert parallelism {expert_mesh.size()}' if expert_mesh else ''}), "
             f"{len(summary['boundaries'])} hook boundaries, NS GFLOP per rank "
             f"{[round(x / 1e9, 1) for x in loads]} (imbalance {summary['imbalance']:.3f}; "
             f"plain-NS GFLOP {plain / 1e9:.1f} in all), "

@@ -5,6 +5,9 @@
   factor to 1 (sum); its DDP averages. Dedicated gradients are scaled the same way.
 - ``torch.compile`` of a block with ``fullgraph=True`` would trace DMuon's hooks: move them to
   the compiled wrapper, outside the compiled region (FSDP2's hooks live outside it too).
+- Expert parallelism: torchtitan's ``ExpertParallel`` distributes the experts' parameters
+  over the expert mesh; dedicated stacks are cut by that mesh already (``dedicate_params``'s
+  ``expert_mesh``), so it leaves them as they are and only dispatches tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +18,39 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from ..api import move_hooks_outside_compile, set_gradient_divide_factor
+from ..runtime.owned_param import is_dedicated
 from ..runtime.state import STATE_ATTR
+
+
+def install_expert_parallel_patch() -> None:
+    """Idempotent: torchtitan's ``ExpertParallel`` leaves dedicated parameters alone (its
+    ``distribute_module`` would cut them, then make whatever it did not cut a replicated
+    DTensor): they are out of their modules while it runs."""
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+
+    original = ExpertParallel._apply
+    if getattr(original, "_dmuon", False):
+        return
+
+    @functools.wraps(original)
+    def apply(self, module, device_mesh):
+        held = []
+        for m in module.modules():
+            order = list(m._parameters)
+            mine = {k: v for k, v in m._parameters.items() if v is not None and is_dedicated(v)}
+            for key in mine:
+                del m._parameters[key]
+            held.append((m, order, mine))
+        try:
+            return original(self, module, device_mesh)
+        finally:  # back in their places, in the modules' order
+            for m, order, mine in held:
+                current = dict(m._parameters)
+                m._parameters.clear()
+                m._parameters.update({k: mine.get(k, current.get(k)) for k in order})
+
+    apply._dmuon = True
+    ExpertParallel._apply = apply
 
 
 def wrap_parallelize(parallelize_fn):

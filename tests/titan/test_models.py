@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .test_titan import model_size, read_checkpoint, run_ok, tb_losses, toy_args
+from .test_titan import (
+    REPO,
+    checkpointed_args,
+    model_size,
+    read_checkpoint,
+    run_ok,
+    tb_losses,
+    toy_args,
+)
 
 # (model, flavor, what the default rule puts on Muon: name patterns with layers.N folded)
 SELECTIONS = {
@@ -127,6 +135,68 @@ def test_model_trains_with_dmuon(tokenizer_dir, tmp_path, name, flavor):
         saved = read_checkpoint(tmp_path / f"{name}-{flavor}" / "checkpoint" / "step-10", tmp_path)
         biases = [v for k, v in saved.items() if k.endswith("moe.expert_bias")]
         assert biases and all(b.abs().sum() > 0 for b in biases), name
+
+
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+
+
+@pytest.mark.parametrize(
+    "name, flavor", [("qwen3", "debugmodel_moe_small"), ("deepseek_v3", "debugmodel")]
+)
+def test_moe_model_trains_with_expert_parallelism(tokenizer_dir, tmp_path, name, flavor):
+    out = _trains(tokenizer_dir, tmp_path, name, flavor, 10, *EP2)
+    assert "experts cut by expert parallelism 2" in out
+
+
+def test_moe_resumes_bit_exactly_and_loads_at_another_expert_degree(tokenizer_dir, tmp_path):
+    """deepseek_v3 with expert parallelism 2 on 2 ranks: 6 steps; stopped at 3 and resumed,
+    steps 4-6 are bit-identical, and so are the step-6 checkpoints; the step-3 checkpoint
+    loads without expert parallelism (another cut of every stack) with identical weights and
+    momentum."""
+    common = [
+        *model_args("deepseek_v3", "debugmodel", 6),
+        *checkpointed_args(total_steps=6, interval=3, validation_freq=100),
+        "--validation.no-enable",
+    ]
+    a, b = tmp_path / "a", tmp_path / "b"
+    out = run_ok(2, *toy_args(tokenizer_dir, a, *common, *EP2))
+    assert "experts cut by expert parallelism 2" in out
+    run_ok(2, *toy_args(tokenizer_dir, b, *common, *EP2, "--training.steps", "3"))
+    out = run_ok(2, *toy_args(tokenizer_dir, b, *common, *EP2))
+    assert "Training starts at step 4" in out
+    la, lb = tb_losses(a), tb_losses(b)
+    assert [la[s] for s in (4, 5, 6)] == [lb[s] for s in (4, 5, 6)]
+    assert la[6] < la[1]
+    ca = read_checkpoint(a / "checkpoint" / "step-6", tmp_path)
+    cb = read_checkpoint(b / "checkpoint" / "step-6", tmp_path)
+    stacks = [k for k in ca if k.endswith("moe.experts.w1")]
+    assert stacks and ca[stacks[0]].shape[0] == 8  # whole stacks in the checkpoint
+    for k, v in ca.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, cb[k]), k
+    for k, v in ca["optimizer"].items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, cb["optimizer"][k]), k
+
+    saved = read_checkpoint(b / "checkpoint" / "step-3", tmp_path)
+    probe_out = tmp_path / "probe.pt"
+    run_ok(
+        2,
+        str(probe_out),
+        *toy_args(tokenizer_dir, b, *common, "--checkpoint.load_step", "3"),
+        script=str(REPO / "tests" / "titan" / "titan_probe.py"),
+    )
+    probe = torch.load(probe_out, weights_only=False)
+    assert probe["step"] == 3
+    for k, v in probe["model"].items():
+        assert torch.equal(v, saved[k]), k
+    moments = 0
+    for fqn, entry in probe["optim"]["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                assert torch.equal(value, saved["optimizer"][f"state.{fqn}.{key}"]), (fqn, key)
+                moments += key == "momentum_buffer" and ".experts." in fqn
+    assert moments == 15  # 5 MoE blocks x 3 stacks
 
 
 @pytest.mark.slow
