@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Simulate DMuon's owner partition for real llama3 shapes at any number of ranks.
+"""Simulate DMuon's owner partition for real llama3 and mixture-of-experts shapes at any
+number of ranks.
 
 No GPU, no process group: the planner is a pure function. Prints, per (model, ranks): the NS
 load imbalance (max/mean), how many ranks get no matrix, how many blocks put two matrices on
-one owner, the slowest rank's Newton–Schulz time at a given matmul rate, and the per-rank bytes
-a Z3 step moves for the dedicated matrices (bf16 broadcast, fp32 reduce).
+one owner, the slowest rank's Newton–Schulz time at a given matmul rate, the per-rank bytes a
+Z3 step moves for the dedicated matrices (bf16 broadcast, fp32 reduce), the planning time,
+and the most collectives one block issues per step and phase (weights in: a broadcast per
+owner column plus an all-gather per expert stack).
 
     python3 scripts/bench/simulate_partition.py --ranks 8 64 512 --tflops 600
     python3 scripts/bench/simulate_partition.py --ranks 3 5 7 --ns-algorithm auto --planned-for plain
@@ -13,9 +16,11 @@ a Z3 step moves for the dedicated matrices (bf16 broadcast, fp32 reduce).
 from __future__ import annotations
 
 import argparse
+import time
 
 from dmuon_titan.plan import ParamSpec, plan_partition
 from dmuon_titan.plan.cost import NS_ALGORITHMS, orthogonalize_flops
+from dmuon_titan.plan.partition import SHARDED, stack_pieces
 
 MODELS = {
     # name: (n_layers, dim, kv_dim, ffn_hidden): Llama 3.2 1B's shapes, torchtitan's 8B/70B
@@ -23,6 +28,61 @@ MODELS = {
     "llama3-8B": (32, 4096, 1024, 14336),
     "llama3-70B": (80, 8192, 1024, 28672),
 }
+#: name: (dense layers, MoE layers, dim, experts, expert hidden, dense ffn hidden, attention
+#: shapes): DeepSeek-V3 (MLA projections, 3 dense + 58 MoE layers of 256 experts and one
+#: shared expert) and Qwen3-30B-A3B (48 MoE layers of 128 experts)
+MOE_MODELS = {
+    "deepseek-v3": (
+        3,
+        58,
+        7168,
+        256,
+        2048,
+        18432,
+        {
+            "wq_a": (1536, 7168),
+            "wq_b": (24576, 1536),
+            "wkv_a": (576, 7168),
+            "wkv_b": (32768, 512),
+            "wo": (7168, 16384),
+        },
+    ),
+    "qwen3-30b-a3b": (
+        0,
+        48,
+        2048,
+        128,
+        768,
+        0,
+        {"wq": (4096, 2048), "wk": (512, 2048), "wv": (512, 2048), "wo": (2048, 4096)},
+    ),
+}
+
+
+def moe_specs(dense, moe, dim, experts, hidden, ffn, attention) -> list[ParamSpec]:
+    specs = []
+    for i in range(dense + moe):
+        block = f"layers.{i}"
+        specs += [
+            ParamSpec(f"{block}.attention.{k}.weight", s, block) for k, s in attention.items()
+        ]
+        if i < dense:
+            shapes = {
+                "feed_forward.w1": (ffn, dim),
+                "feed_forward.w2": (dim, ffn),
+                "feed_forward.w3": (ffn, dim),
+            }
+        else:
+            shapes = {
+                "moe.experts.w1": (experts, hidden, dim),
+                "moe.experts.w2": (experts, dim, hidden),
+                "moe.experts.w3": (experts, hidden, dim),
+                "moe.shared_experts.w1": (hidden, dim),
+                "moe.shared_experts.w2": (dim, hidden),
+                "moe.shared_experts.w3": (hidden, dim),
+            }
+        specs += [ParamSpec(f"{block}.{k}", s, block) for k, s in shapes.items()]
+    return specs
 
 
 def llama_specs(n_layers: int, dim: int, kv: int, ffn: int) -> list[ParamSpec]:
@@ -59,27 +119,45 @@ def main() -> None:
     args = parser.parse_args()
     print(
         "| model | ranks | matrices | imbalance (max/mean) | idle ranks | blocks with a shared owner "
-        "| slowest rank NS (ms) | perfect split NS (ms) | Z3 GiB/rank/step |"
+        "| slowest rank NS (ms) | perfect split NS (ms) | Z3 GiB/rank/step | plan ms "
+        "| collectives per block in |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, dims in MODELS.items():
-        specs = llama_specs(*dims)
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    models = {name: llama_specs(*dims) for name, dims in MODELS.items()}
+    models.update({name: moe_specs(*dims) for name, dims in MOE_MODELS.items()})
+    for name, specs in models.items():
         numel = sum(s.numel for s in specs)
+        matrices = sum(s.shape[0] if s.stacked else 1 for s in specs)
         for n in args.ranks:
+            start = time.perf_counter()
             plan = plan_partition(specs, n, ns_algorithm=args.planned_for or args.ns_algorithm)
+            plan_ms = (time.perf_counter() - start) * 1e3
             loads = [0] * n
             for spec, owner in zip(plan.specs, plan.owners, strict=True):
-                loads[owner] += orthogonalize_flops(spec.shape, args.ns_algorithm)
+                cost = orthogonalize_flops(spec.shape, args.ns_algorithm)
+                if owner == SHARDED:
+                    for k, (a, b) in enumerate(stack_pieces(spec.shape[0], n)):
+                        loads[k] += cost * (b - a) // spec.shape[0]
+                else:
+                    loads[owner] += cost
             per_block: dict[str, list[int]] = {}
             for spec, owner in zip(plan.specs, plan.owners, strict=True):
                 per_block.setdefault(spec.boundary, []).append(owner)
-            shared = sum(len(set(o)) < min(len(o), n) for o in per_block.values())
+            matrix_owners = {
+                b: [o for o in owners if o != SHARDED] for b, owners in per_block.items()
+            }
+            shared = sum(len(set(o)) < min(len(o), n) for o in matrix_owners.values() if o)
+            calls = max(
+                len(set(o)) + (len(owners) - len(o))
+                for o, owners in zip(matrix_owners.values(), per_block.values(), strict=True)
+            )
             rate = args.tflops * 1e12
             total = sum(loads)
             moved = (2 * 2 + 4) * numel * (n - 1) / n / 2**30  # bf16 bcast x2 + fp32 reduce
             print(
-                f"| {name} | {n} | {len(specs)} | {max(loads) / (sum(loads) / n):.3f} | {loads.count(0)} | "
-                f"{shared} | {max(loads) / rate * 1e3:.1f} | {total / n / rate * 1e3:.1f} | {moved:.1f} |"
+                f"| {name} | {n} | {matrices} | {max(loads) / (sum(loads) / n):.3f} | {loads.count(0)} | "
+                f"{shared} | {max(loads) / rate * 1e3:.1f} | {total / n / rate * 1e3:.1f} | {moved:.1f} "
+                f"| {plan_ms:.0f} | {calls} |"
             )
 
 
