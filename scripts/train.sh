@@ -38,6 +38,7 @@ fi
 color=()
 [[ -t 1 ]] || color=(--metrics.disable_color_printing)  # no colour codes in log files
 python3 -m dmuon_titan.toy --out outputs/assets/tokenizer
-exec torchrun --standalone --nproc_per_node="$NPROC" --local-ranks-filter 0 --role rank --tee 3 \
+# torchrun's launcher; a failed run ends in one line instead of the launcher's traceback
+exec python3 -m dmuon_titan.launch --standalone --nproc_per_node="$NPROC" --local-ranks-filter 0 --role rank --tee 3 \
   -m torchtitan.train \
   --job.config_file "$CONFIG" ${color[@]+"${color[@]}"} "$@"
