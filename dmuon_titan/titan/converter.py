@@ -79,16 +79,43 @@ def check_compatibility(job_config, parallel_dims) -> None:
             'DMuon serves expert parallelism with the "standard" backend only'
         )
     if cfg.mode == "dedicated":
-        quantizers = [c for c in job_config.model.converters if c.startswith("quantize.")]
-        if quantizers:
-            raise ConfigError(
-                f"model.converters = {job_config.model.converters}: {quantizers} would convert "
-                "the dedicated matrices (float8/mx on dedicated params is not supported)"
-            )
+        _check_quantization(job_config)
     if job_config.training.enable_cpu_offload:
         raise ConfigError("training.enable_cpu_offload = true: not supported with DMuon")
     if job_config.optimizer.early_step_in_backward:
         raise ConfigError("optimizer.early_step_in_backward = true: not supported with DMuon")
+
+
+FLOAT8 = "quantize.linear.float8"
+
+
+def _check_quantization(job_config) -> None:
+    """float8 linears work with DMuon: the owner keeps the high-precision master, forward
+    casts the broadcast weight to float8 as it would an FSDP2 one, and Muon gets the
+    high-precision gradient. Refused, naming the key: other quantizers, float8 converting
+    after DMuon dedicated (it swaps the modules whose weights DMuon holds), and float8
+    all-gathers (dedicated weights are not all-gathered by FSDP2)."""
+    converters = list(job_config.model.converters)
+    quantizers = [c for c in converters if c.startswith("quantize.")]
+    others = [c for c in quantizers if c != FLOAT8]
+    if others:
+        raise ConfigError(
+            f"[model] converters = {converters}: {others} not supported with DMuon yet "
+            f'("{FLOAT8}" is)'
+        )
+    if FLOAT8 not in quantizers:
+        return
+    if converters.index("dmuon") < converters.index(FLOAT8):
+        raise ConfigError(
+            f'[model] converters = {converters}: put "dmuon" after "{FLOAT8}" (float8 swaps '
+            "the Linear modules, DMuon then dedicates the weights of the new ones)"
+        )
+    if job_config.quantize.linear.float8.enable_fsdp_float8_all_gather:
+        raise ConfigError(
+            "quantize.linear.float8.enable_fsdp_float8_all_gather = true: DMuon's matrices are "
+            "not all-gathered by FSDP2 (their owners broadcast them, cast to float8 in "
+            "forward); set it false"
+        )
 
 
 def dp_meshes(parallel_dims):

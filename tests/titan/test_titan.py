@@ -349,6 +349,16 @@ def test_bad_toml_values_and_keys_are_named(tmp_path):
             ["--model.name", "qwen3", "--dmuon.params", "output\\.weight"],
             "'output.weight', a tied weight",
         ),
+        (
+            "toy_dmuon.toml",
+            ["--model.converters", "dmuon,quantize.linear.float8"],
+            'put "dmuon" after "quantize.linear.float8"',
+        ),
+        (
+            "toy_dmuon.toml",
+            ["--model.converters", "dmuon,quantize.linear.mx"],
+            "['quantize.linear.mx'] not supported with DMuon",
+        ),
     ],
     ids=[
         "no-match",
@@ -360,6 +370,8 @@ def test_bad_toml_values_and_keys_are_named(tmp_path):
         "no-config-module",
         "unserved-model",
         "tied-weight",
+        "float8-after-dmuon",
+        "mx",
     ],
 )
 def test_bad_config_exits_cleanly_under_torchrun(tokenizer_dir, tmp_path, config, override, key):
