@@ -64,14 +64,13 @@ def check_compatibility(job_config, parallel_dims) -> None:
     unsupported = {
         "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
         "parallelism.pipeline_parallel_degree": p.pipeline_parallel_degree,
-        "parallelism.context_parallel_degree": p.context_parallel_degree,
         "parallelism.expert_tensor_parallel_degree": p.expert_tensor_parallel_degree,
     }
     for key, value in unsupported.items():
         if value not in (1, None):
             raise ConfigError(
                 f"{key} = {value}: not supported with DMuon yet (data parallelism — FSDP, "
-                "HSDP, DDP — and expert parallelism are)"
+                "HSDP, DDP — and expert and context parallelism are)"
             )
     if p.expert_parallel_degree > 1 and p.expert_parallel_comm_backend != "standard":
         raise ConfigError(

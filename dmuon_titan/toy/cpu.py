@@ -114,3 +114,71 @@ def install_moe_cpu_shims() -> None:
 
     generate_permute_indices._dmuon_cpu = True
     moe_utils.generate_permute_indices = generate_permute_indices
+
+
+def _cpu_ring_attention(op_call, args, kwargs):
+    """DTensor handler for CPU flash attention under context parallelism: torch's own ring
+    attention (``_templated_ring_attention`` and its backward) on the local shards, outputs
+    sharded like the query (the sequence dimension, as torch's CUDA handlers do)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    aten = torch.ops.aten
+    first = next(a for a in args if isinstance(a, DTensor))
+    mesh, placements = first.device_mesh, first.placements
+    local = [a.to_local() if isinstance(a, DTensor) else a for a in args]
+    kwargs = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+    group, seq_dim = mesh.get_group(), 2
+    if op_call is aten._scaled_dot_product_flash_attention_for_cpu.default:
+        query, key, value, *rest = local
+        options = dict(zip(("dropout_p", "is_causal"), rest, strict=False))
+        options.update(kwargs)
+        is_causal = options.pop("is_causal", False)
+        results = cp._templated_ring_attention(
+            group,
+            seq_dim,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            query=query,
+            key=key,
+            value=value,
+            is_causal=is_causal,
+            **options,
+        )
+    else:
+        grad_out, query, key, value, out, logsumexp, *rest = local
+        options = dict(zip(("dropout_p", "is_causal"), rest, strict=False))
+        options.update(kwargs)
+        is_causal = options.pop("is_causal", False)
+        results = cp._templated_ring_attention_backward(
+            group,
+            seq_dim,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            grad_out=grad_out,
+            grad_out_name="grad_out",
+            query=query,
+            key=key,
+            value=value,
+            out=out,
+            logsumexp=logsumexp,
+            is_causal=is_causal,
+            **options,
+        )
+    return tuple(
+        DTensor.from_local(t, mesh, placements, run_check=False)
+        if isinstance(t, torch.Tensor)
+        else t
+        for t in results
+    )
+
+
+def install_cp_cpu_shim() -> None:
+    """Context parallelism on CPU (idempotent): torch's CP dispatcher has handlers for the
+    CUDA attention kernels only; register the CPU flash-attention op and its backward."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    aten = torch.ops.aten
+    for op in (
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    ):
+        cp.custom_ops.setdefault(op, _cpu_ring_attention)
