@@ -457,12 +457,10 @@ def _bytes_per_step(
     grid_param_bytes, grid_reduce_bytes = 0, 0  # stacks: over the whole grid, padding included
     for g in state.groups:
         for stack in g.stacks:  # (n - 1) / n of what an all-gather of n slots carries
-            share = (stack.world_size - 1) / stack.world_size
-            grid_param_bytes += (
-                share * stack.world_size * stack.slot_numel * param_size(stack.param)
-            )
+            share = (stack.grid_size - 1) / stack.grid_size
+            grid_param_bytes += share * stack.grid_size * stack.slot_numel * param_size(stack.param)
             grid_reduce_bytes += (
-                share * stack.world_size * stack.slot_numel * reduce_size(stack.param)
+                share * stack.grid_size * stack.slot_numel * reduce_size(stack.param)
             )
         if g.gathered:  # what the collectives carry, padding included (flags excluded)
             p0 = g.params[0]  # one dtype per gathered boundary (checked at lazy init)

@@ -22,16 +22,16 @@ from .owned_param import DedicatedParam
 class ExpertStack:
     """The collectives and buffer of one stacked :class:`DedicatedParam`."""
 
-    def __init__(self, param: DedicatedParam, world_size: int, grid_rank: int) -> None:
+    def __init__(self, param: DedicatedParam, grid_size: int, grid_rank: int) -> None:
         self.param = param
-        self.world_size = world_size  # of the grid
+        self.grid_size = grid_size
         self.grid_rank = grid_rank
         experts = param.unsharded_shape[0]
         #: [start, stop) per grid rank, within the experts this rank computes with
-        self.pieces = stack_pieces(experts, world_size)
+        self.pieces = stack_pieces(experts, grid_size)
         #: elements of one matrix (expert) of the stack
         self.matrix_numel = param.shape[1:].numel()
-        experts_per_slot = -(-experts // world_size)
+        experts_per_slot = -(-experts // grid_size)
         #: weights per grid rank in the gathered buffer (a piece, padded to the longest)
         self.slot_numel = experts_per_slot * self.matrix_numel
         #: gradients per grid rank in the reduce buffer: the slot, then the presence flag
@@ -41,7 +41,7 @@ class ExpertStack:
     def lazy_init(self, device: torch.device) -> None:
         p = self.param
         self.buffer = torch.empty(
-            self.world_size * self.slot_numel, dtype=p.param_dtype, device=device
+            self.grid_size * self.slot_numel, dtype=p.param_dtype, device=device
         )
         p.make_unsharded(self.buffer[: p.unsharded_shape.numel()])
 
@@ -64,7 +64,7 @@ class ExpertStack:
             grad = grad.to_local()
         p.packed_local_grad = grad is not None
         slot = self.reduce_slot_numel
-        flat = torch.zeros(self.world_size * slot, dtype=p.reduce_dtype, device=self.buffer.device)
+        flat = torch.zeros(self.grid_size * slot, dtype=p.reduce_dtype, device=self.buffer.device)
         if grad is not None:
             grad = grad.reshape(-1)
             for k, (start, stop) in enumerate(self.pieces):
@@ -73,9 +73,9 @@ class ExpertStack:
                 region[:numel].copy_(grad[start * self.matrix_numel : stop * self.matrix_numel])
                 region[numel : numel + 1].fill_(1)  # a kernel, not a host-to-device copy
             p.unsharded.grad = None
-        out = flat if self.world_size == 1 else torch.empty_like(flat[:slot])
+        out = flat if self.grid_size == 1 else torch.empty_like(flat[:slot])
         pending = comm.reduce_scatter_slots(
-            flat, out, "reduce", self.world_size, group="grid_reduce", what=what
+            flat, out, "reduce", self.grid_size, group="grid_reduce", what=what
         )
         if not p.is_owner:
             return PendingReduce(None, None, [pending])

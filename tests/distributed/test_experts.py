@@ -12,6 +12,7 @@ import torch
 from ..helpers import relative_errors
 from ..helpers.harness import run_ranks
 from ..helpers.scenarios import (
+    bytes_measured_and_predicted,
     dcp_load,
     dcp_save,
     expert_count_not_divisible,
@@ -107,3 +108,32 @@ def test_expert_count_that_expert_parallelism_does_not_divide():
     for message in messages:
         assert "'layers.0.moe.experts.w1' has 3 experts" in message, message
         assert "expert-parallel degree 2" in message, message
+
+
+@pytest.mark.parametrize("world_size, ep", [(2, 1), (3, 1), (4, 2)])
+def test_expert_stack_bytes_per_step(world_size, ep):
+    """Each stack moves by one all-gather per unshard and one reduce-scatter per step over
+    its grid: (G-1)/G of its slots (padding included) per rank and phase, with G the grid
+    size (world / ep). Counted from the collectives issued, equal to summarize_plan's."""
+    for z3 in (True, False):
+        cfg = with_(EXPERTS, ep=ep, reshard_after_forward=z3)
+        for r in run_ranks(bytes_measured_and_predicted, world_size, cfg):
+            moved, predicted = r["moved"], r["predicted"]
+            assert moved["forward"] == pytest.approx(predicted["forward_broadcast"], rel=1e-12)
+            assert moved.get("backward_unshard", 0.0) == pytest.approx(
+                predicted["backward_rebroadcast"], rel=1e-12
+            )
+            assert moved["reduce"] == pytest.approx(predicted["reduce"], rel=1e-12)
+            # The stacks' own collectives: per phase, 6 stacks of G slots of ceil(E/G)
+            # experts each (E: this rank's EP share of the model's 4 experts).
+            grid = r["grid"]
+            assert grid == world_size // ep
+            if grid > 1:
+                experts = 4 // ep
+                padded = grid * -(-experts // grid) / experts  # slots over experts
+                stack_elements = r["stack_numel"] * padded
+                assert r["grid_numel"]["forward"] == stack_elements
+                assert r["grid_numel"]["reduce"] == stack_elements + 6 * grid  # + flags
+                assert r["grid_numel"].get("backward_unshard", 0) == (stack_elements if z3 else 0)
+            else:
+                assert r["grid_numel"] == {}  # a grid of one rank moves nothing

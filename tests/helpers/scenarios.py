@@ -344,3 +344,27 @@ def expert_count_not_divisible(rank: int, world_size: int) -> str:
         for p in patches:
             p.stop()
     return "no error"
+
+
+def bytes_measured_and_predicted(rank: int, world_size: int, cfg: RunConfig) -> dict:
+    """One training step after the first: the bytes each phase's collectives moved (counted
+    as issued) and what ``summarize_plan`` predicts, per rank."""
+    model, optimizer = build_dmuon(cfg, world_size)
+    state = model._dmuon_state
+    train_step(cfg, model, optimizer, 0, rank, world_size)  # records the forward order
+    state.comm.stats.reset()
+    state.comm.log = []
+    train_step(cfg, model, optimizer, 1, rank, world_size)
+    stats = state.comm.stats
+    grid_numel: dict[str, int] = {}  # elements the stacks' collectives carried, per phase
+    for group, _, phase, numel, _ in state.comm.log:
+        if group.startswith("grid"):
+            grid_numel[phase] = grid_numel.get(phase, 0) + numel
+    return {
+        "moved": {k: stats.moved_bytes_per_rank(k) for k in stats.payload_bytes},
+        "grid_numel": grid_numel,
+        "ops": dict(stats.ops),
+        "predicted": dmuon.summarize_plan(model)["bytes_per_rank_per_step"],
+        "stack_numel": sum(p.unsharded_shape.numel() for p in state.params if p.stacked),
+        "grid": state.mesh.grid_size,
+    }
