@@ -227,9 +227,6 @@ def _select_params(model: nn.Module, predicate: ParamPredicate):
             if p is not None:
                 fqn = f"{mod_path}.{attr}" if mod_path else attr
                 places.setdefault(p, []).append((fqn, module, attr))
-    for p, where in places.items():
-        if len(where) > 1:  # stays on AdamW, in the FSDP2 group of its holders' ancestor
-            register_tied(p, _common_ancestor(model, [fqn for fqn, *_ in where]))
     selected = []
     for p, where in places.items():
         # A tied weight has several names; the predicate may pick it by any of them.
@@ -252,6 +249,9 @@ def _select_params(model: nn.Module, predicate: ParamPredicate):
         selected.append((fqn, p, module, attr))
     if not selected:
         raise ValueError("predicate selected no parameters to dedicate")
+    for p, where in places.items():  # validated: tied weights stay on AdamW, in the FSDP2
+        if len(where) > 1:  # group of their holders' common ancestor
+            register_tied(p, _common_ancestor(model, [fqn for fqn, *_ in where]))
     return selected
 
 

@@ -4,7 +4,8 @@ Takes torchrun's arguments and runs torchrun's own launcher (``torch.distributed
 When ranks fail, torchrun raises ``ChildFailedError`` out of its ``main`` and Python prints
 the launcher's traceback and a report block after whatever the ranks said. A DMuon
 configuration mistake is already one line from rank 0; here the launcher adds one more line
-naming the failed ranks and their exit codes, and exits with the first failure's code.
+naming the failed ranks and their exit codes, and exits with the first failure's code
+(128 + the signal for a rank killed by one).
 
     python -m dmuon_titan.launch --standalone --nproc_per_node=2 -m torchtitan.train \\
         --job.config_file your.toml
@@ -26,8 +27,11 @@ def main(argv: list[str] | None = None) -> int:
         failures = sorted(err.failures.items())
         codes = ", ".join(f"rank {rank} exit code {f.exitcode}" for rank, f in failures)
         print(f"dmuon_titan launch: {err.name} failed ({codes})", file=sys.stderr)
-        first = failures[0][1].exitcode if failures else 1
-        return first if isinstance(first, int) and first > 0 else 1
+        _, first = err.get_first_failure()
+        code = first.exitcode
+        # A rank killed by a signal (negative code, e.g. -9 for an OOM kill): 128 + signal,
+        # as a shell reports it.
+        return code if code > 0 else (128 - code if code < 0 else 1)
     return 0
 
 

@@ -24,13 +24,14 @@ from .owned_param import dedicated_params_of, is_dedicated
 
 _PATCHED_FLAG = "_dmuon_patched"
 
-# tied parameter -> the lowest common ancestor of the modules that hold it
-_TIED: weakref.WeakKeyDictionary[nn.Parameter, nn.Module] = weakref.WeakKeyDictionary()
+# tied parameter -> (a weak reference to) the lowest common ancestor of the modules that hold
+# it: weak both ways, so a model that is dropped is not kept alive here
+_TIED: weakref.WeakKeyDictionary[nn.Parameter, weakref.ref] = weakref.WeakKeyDictionary()
 
 
 def register_tied(param: nn.Parameter, common_ancestor: nn.Module) -> None:
     """Let only ``common_ancestor``'s ``fully_shard`` call manage the tied ``param``."""
-    _TIED[param] = common_ancestor
+    _TIED[param] = weakref.ref(common_ancestor)
 
 
 def _dedicated_in(modules, recurse: bool) -> set[nn.Parameter]:
@@ -61,8 +62,9 @@ def _wrap(fn, recurse: bool):
             return fn(modules, ignored, *args, **kwargs)
         # _get_managed_states(managed modules): tied weights only where their ancestor is.
         managed = set(roots)
-        here = [p for p, ancestor in _TIED.items() if ancestor in managed]
-        elsewhere = {p for p, ancestor in _TIED.items() if ancestor not in managed}
+        tied = {p: ancestor() for p, ancestor in _TIED.items()}
+        here = [p for p, ancestor in tied.items() if ancestor is not None and ancestor in managed]
+        elsewhere = {p for p, ancestor in tied.items() if ancestor not in managed}
         params, buffers = fn(modules, set(ignored or ()) | elsewhere, *args, **kwargs)
         params.extend(p for p in here if p not in set(params))
         return params, buffers

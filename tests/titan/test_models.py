@@ -202,3 +202,36 @@ def test_moe_resumes_bit_exactly_and_loads_at_another_expert_degree(tokenizer_di
 @pytest.mark.slow
 def test_qwen3_moe_debugmodel_trains_with_dmuon(tokenizer_dir, tmp_path):
     _trains(tokenizer_dir, tmp_path, "qwen3", "debugmodel_moe")
+
+
+def _job(mode="dedicated", initial_load_in_hf=False):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        dmuon=SimpleNamespace(mode=mode),
+        checkpoint=SimpleNamespace(initial_load_in_hf=initial_load_in_hf, last_save_in_hf=False),
+    )
+
+
+@pytest.mark.parametrize(
+    "name, job, ep, key",
+    [
+        ("deepseek_v3", _job(mode="naive"), 1, '[dmuon] mode = "naive"'),
+        ("deepseek_v3", _job(initial_load_in_hf=True), 1, "checkpoint.initial_load_in_hf"),
+        ("gpt_oss", _job(), 2, "mlp1_bias"),
+    ],
+)
+def test_what_expert_stacks_do_not_serve_yet_is_one_line(name, job, ep, key):
+    """Refused at conversion (before any collective), naming the key: the naive baseline
+    (2-D only), Hugging Face checkpoint conversion, and expert parallelism with expert
+    parameters left on AdamW (gpt_oss's biases)."""
+    from types import SimpleNamespace
+
+    from dmuon_titan.titan.config import ConfigError
+    from dmuon_titan.titan.converter import check_stacks
+    from dmuon_titan.titan.selection import muon_predicate
+
+    model = _meta_model(name, "debugmodel")
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        check_stacks(job, SimpleNamespace(ep=ep), model, muon_predicate([], model))
+    check_stacks(_job(), SimpleNamespace(ep=1), model, muon_predicate([], model))  # served
