@@ -242,10 +242,7 @@ class Muon(torch.optim.Optimizer):
         runs on batches of at most ``ns_batch_numel`` elements (one matrix if 0)."""
         directions = torch.empty(p.shape, dtype=group["ns_dtype"], device=p.device)
         self._write_direction(p, group, directions)
-        matrix_numel = p.shape[1:].numel()
-        per_batch = max(1, self.ns_batch_numel // matrix_numel) if self.ns_batch_numel else 1
-        if self.ns_unbatched_numel is not None and matrix_numel >= self.ns_unbatched_numel:
-            per_batch = 1
+        per_batch = ns_batch_size(p.shape[1:].numel(), self.ns_batch_numel, self.ns_unbatched_numel)
         args = (coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], self.ns_algorithm)
         for start in range(0, p.shape[0], per_batch):
             batch = directions[start : start + per_batch]
@@ -417,9 +414,17 @@ def ns_chunks(
         by_kind.setdefault((tuple(p.shape), p.dtype), []).append(p)
     chunks = []
     for (shape, _), same in by_kind.items():
-        numel = max(1, int(torch.Size(shape).numel()))
-        per_chunk = max(1, max_numel // numel) if max_numel else 1
-        if unbatched_numel is not None and numel >= unbatched_numel:
-            per_chunk = 1
+        per_chunk = ns_batch_size(
+            max(1, int(torch.Size(shape).numel())), max_numel, unbatched_numel
+        )
         chunks.extend(same[i : i + per_chunk] for i in range(0, len(same), per_chunk))
     return chunks
+
+
+def ns_batch_size(matrix_numel: int, max_numel: int, unbatched_numel: int | None) -> int:
+    """How many same-shape matrices of ``matrix_numel`` elements one batched Newton–Schulz
+    takes: as many as fit in ``max_numel`` elements (at least one; one if 0), one for
+    matrices of ``unbatched_numel`` elements or more."""
+    if unbatched_numel is not None and matrix_numel >= unbatched_numel:
+        return 1
+    return max(1, max_numel // matrix_numel) if max_numel else 1

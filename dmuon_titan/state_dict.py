@@ -101,16 +101,13 @@ def _stack_dtensor(state: DMuonState, p: DedicatedParam, piece: torch.Tensor | N
         mesh = state._grid_mesh = grid_device_mesh(state.mesh)
     placements = [Shard(0)] * mesh.ndim  # (expert coordinate, then grid rank) with EP
     return DTensor.from_local(
-        piece.detach(), mesh, placements, run_check=False, shape=p.shape, stride=_strides(p.shape)
+        piece.detach(),
+        mesh,
+        placements,
+        run_check=False,
+        shape=p.shape,
+        stride=torch.empty(p.shape, device="meta").stride(),
     )
-
-
-def _strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= d
-    return tuple(reversed(strides))
 
 
 def _shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

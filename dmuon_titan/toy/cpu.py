@@ -129,15 +129,17 @@ def _cpu_ring_attention(op_call, args, kwargs):
     local = [a.to_local() if isinstance(a, DTensor) else a for a in args]
     kwargs = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
     group, seq_dim = mesh.get_group(), 2
-    if op_call is aten._scaled_dot_product_flash_attention_for_cpu.default:
-        query, key, value, *rest = local
-        options = dict(zip(("dropout_p", "is_causal"), rest, strict=False))
-        options.update(kwargs)
-        is_causal = options.pop("is_causal", False)
+    forward = op_call is aten._scaled_dot_product_flash_attention_for_cpu.default
+    tensors = 3 if forward else 6  # (q, k, v) or (grad_out, q, k, v, out, logsumexp)
+    options = dict(zip(("dropout_p", "is_causal"), local[tensors:], strict=False))
+    options.update(kwargs)
+    is_causal = options.pop("is_causal", False)
+    if forward:
+        query, key, value = local[:tensors]
         results = cp._templated_ring_attention(
             group,
             seq_dim,
-            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            op_call,
             query=query,
             key=key,
             value=value,
@@ -145,14 +147,11 @@ def _cpu_ring_attention(op_call, args, kwargs):
             **options,
         )
     else:
-        grad_out, query, key, value, out, logsumexp, *rest = local
-        options = dict(zip(("dropout_p", "is_causal"), rest, strict=False))
-        options.update(kwargs)
-        is_causal = options.pop("is_causal", False)
+        grad_out, query, key, value, out, logsumexp = local[:tensors]
         results = cp._templated_ring_attention_backward(
             group,
             seq_dim,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            op_call,
             grad_out=grad_out,
             grad_out_name="grad_out",
             query=query,

@@ -245,14 +245,23 @@ class MoETransformer(nn.Module):
     """Embedding, MoE blocks (router, experts as separate modules, o_proj), head."""
 
     init_weights = ToyTransformer.init_weights
+    block = MoEBlock
 
     def __init__(
-        self, vocab: int = 64, dim: int = 32, hidden: int = 48, n_layers: int = 2, n_experts=4
+        self,
+        vocab: int = 64,
+        dim: int = 32,
+        hidden: int = 48,
+        n_layers: int = 2,
+        n_experts=4,
+        **block_kwargs,
     ) -> None:
         super().__init__()
         self.n_experts = n_experts
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList([MoEBlock(dim, hidden, n_experts) for _ in range(n_layers)])
+        self.layers = nn.ModuleList(
+            [self.block(dim, hidden, n_experts, **block_kwargs) for _ in range(n_layers)]
+        )
         self.norm = nn.RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
 
@@ -380,35 +389,14 @@ class GroupedMoEBlock(nn.Module):
         return h + self.moe(self.moe_norm(h), expert_ids)
 
 
-class GroupedMoETransformer(nn.Module):
+class GroupedMoETransformer(MoETransformer):
     """Blocks of attention + a grouped-experts MoE layer (3-D expert stacks, a shared expert,
     a router), as torchtitan's MoE models lay them out."""
 
-    init_weights = ToyTransformer.init_weights
+    block = GroupedMoEBlock
 
-    def __init__(
-        self,
-        vocab: int = 64,
-        dim: int = 32,
-        hidden: int = 24,
-        n_layers: int = 2,
-        n_experts: int = 4,
-        sliced: bool = False,
-    ) -> None:
-        super().__init__()
-        self.n_experts = n_experts
-        self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(
-            [GroupedMoEBlock(dim, hidden, n_experts, sliced) for _ in range(n_layers)]
-        )
-        self.norm = nn.RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, tokens % self.n_experts)
-        return self.output(self.norm(h))
+    def __init__(self, vocab: int = 64, hidden: int = 24, sliced: bool = False, **kwargs) -> None:
+        super().__init__(vocab=vocab, hidden=hidden, sliced=sliced, **kwargs)
 
 
 def grouped_moe_predicate(name: str, param: torch.Tensor) -> bool:

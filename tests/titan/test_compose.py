@@ -5,24 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .test_titan import REPO, checkpointed_args, run_ok, tb_losses, toy_args
-
-
-def seed_checkpoint(tokenizer_dir, path) -> str:
-    """A one-rank AdamW seed checkpoint: every run below starts from the same weights."""
-    run_ok(
-        1,
-        "--job.config_file",
-        str(REPO / "configs" / "toy_adamw.toml"),
-        "--job.dump_folder",
-        str(path),
-        "--model.hf_assets_path",
-        str(tokenizer_dir),
-        "--checkpoint.enable",
-        "--checkpoint.create_seed_checkpoint",
-    )
-    return str(path / "checkpoint" / "step-0")
-
+from .test_titan import checkpointed_args, run_ok, seed_checkpoint, tb_losses, toy_args
 
 FLOAT8 = ["--model.converters", "quantize.linear.float8,dmuon", "--quantize.linear.float8.emulate"]
 
@@ -34,7 +17,7 @@ def test_float8_linears_with_dmuon_equal_the_naive_path(tokenizer_dir, tmp_path)
     all-gathered) within 1e-6, later steps within 1e-3 (float8 rounding amplifies the 1e-7
     differences of batched vs single Newton–Schulz: 5e-5 seen at step 5), and they fall."""
     pytest.importorskip("torchao")
-    seed = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
+    seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
     losses = {}
     for mode in ("dedicated", "naive"):
         dump = tmp_path / mode
@@ -70,7 +53,7 @@ def test_context_parallel_equals_one_rank_and_resumes(tokenizer_dir, tmp_path):
     parameters: owners planned and gradients reduced over them) from one seed checkpoint:
     losses equal the one-rank run's (same global batch) within 1e-5 over 10 steps; stopped
     at 5 and resumed, steps 6-10 are bit-identical."""
-    seed = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
+    seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
     common = [
         "--validation.no-enable",
         *checkpointed_args(total_steps=10, interval=5, validation_freq=100),

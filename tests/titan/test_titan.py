@@ -110,6 +110,24 @@ def flops_per_token(dump: Path) -> float:
     return sum(ratios) / len(ratios)
 
 
+def seed_checkpoint(tokenizer_dir, path: Path, *extra: str) -> tuple[str, str]:
+    """A one-rank AdamW seed checkpoint (every run started from it has the same weights):
+    (its path, the run's output)."""
+    out = run_ok(
+        1,
+        "--job.config_file",
+        str(REPO / "configs" / "toy_adamw.toml"),
+        "--job.dump_folder",
+        str(path),
+        "--model.hf_assets_path",
+        str(tokenizer_dir),
+        *extra,
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+    )
+    return str(path / "checkpoint" / "step-0"), out
+
+
 def run_ok(nproc: int, *args: str, **kw) -> str:
     rc, out = torchrun(nproc, *args, **kw)
     assert rc == 0, out[-6000:]
@@ -227,20 +245,7 @@ def test_toy_dmuon_trains_checkpoints_and_resumes(tokenizer_dir, tmp_path):
 def test_dmuon_equals_the_naive_path_inside_torchtitan(tokenizer_dir, tmp_path):
     """Same seed checkpoint, fp32 params and NS, 2 ranks: DMuon's loss trajectory equals the
     naive path's (every param on FSDP2, all-gather + NS on every rank) within 1e-5 per step."""
-    seed = tmp_path / "seed"
-    seed_out = run_ok(
-        1,
-        "--job.config_file",
-        str(REPO / "configs" / "toy_adamw.toml"),
-        "--job.dump_folder",
-        str(seed),
-        "--model.hf_assets_path",
-        str(tokenizer_dir),
-        "--debug.seed",
-        "7",
-        "--checkpoint.enable",
-        "--checkpoint.create_seed_checkpoint",
-    )
+    seed, seed_out = seed_checkpoint(tokenizer_dir, tmp_path / "seed", "--debug.seed", "7")
     losses, sizes, flops = {}, {}, {}
     for mode in ("dedicated", "naive"):
         dump = tmp_path / mode
@@ -261,7 +266,7 @@ def test_dmuon_equals_the_naive_path_inside_torchtitan(tokenizer_dir, tmp_path):
                 "--checkpoint.interval",
                 "1000",
                 "--checkpoint.initial_load_path",
-                str(seed / "checkpoint" / "step-0"),
+                seed,
             ),
         )
         losses[mode] = tb_losses(dump)
