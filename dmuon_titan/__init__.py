@@ -5,9 +5,11 @@ and composable ``replicate`` (DDP) skip dedicated parameters when it is called.
 """
 
 from .api import (
+    check_pipeline_schedule,
     dedicate_params,
     move_hooks_outside_compile,
     no_sync,
+    prepare_pipeline_stage,
     set_gradient_divide_factor,
     summarize_plan,
     wait_all_replicate_broadcasts,
@@ -25,12 +27,14 @@ from .state_dict import (
 __all__ = [
     "NS_COEFFICIENT_SETS",
     "Muon",
+    "check_pipeline_schedule",
     "clip_grad_norm_",
     "dedicate_params",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "move_hooks_outside_compile",
     "no_sync",
+    "prepare_pipeline_stage",
     "set_model_state_dict",
     "set_gradient_divide_factor",
     "set_optimizer_state_dict",

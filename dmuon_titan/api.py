@@ -56,7 +56,8 @@ def dedicate_params(
     ns_algorithm: str = "plain",
     collectives: str = "broadcast",
     expert_mesh: DeviceMesh | None = None,
-) -> dict[str, Any]:
+    allow_empty: bool = False,
+) -> dict[str, Any] | None:
     """Give each selected matrix one owner rank and install the hooks that serve it.
 
     Call it before ``fully_shard`` (which then skips the dedicated parameters) and, with a meta
@@ -100,9 +101,15 @@ def dedicate_params(
             the same expert coordinate. The expert count must be divisible by its size. Your
             expert parallelism then only dispatches tokens: it must leave the dedicated stacks
             as they are (the torchtitan plugin makes torchtitan's ``ExpertParallel`` do so).
+        allow_empty: a predicate that selects nothing is an error unless this is set. Every
+            rank of the world must call ``dedicate_params`` equally often (it creates process
+            groups, which takes every rank): under pipeline parallelism once per stage part
+            it holds, and for a part without Muon matrices with ``allow_empty=True`` (the
+            part then has no DMuon state; its parameters are AdamW's). Then see
+            :func:`prepare_pipeline_stage`.
 
     Returns:
-        :func:`summarize_plan` of the result.
+        :func:`summarize_plan` of the result (``None`` when nothing was selected).
     """
     options = DedicateOptions(
         hook_boundary_strict=hook_boundary_strict,
@@ -115,7 +122,10 @@ def dedicate_params(
     _check_model_and_meshes(model, mesh, replicate_mesh, expert_mesh)
     # Validate → plan → build the runtime → install hooks: every input error comes before the
     # first collective, the check that all ranks computed the same plan.
-    selected = _select_params(model, predicate)
+    selected = _select_params(model, predicate, allow_empty)
+    if not selected:  # join the world's group creation, nothing else
+        mesh_info(mesh, replicate_mesh, expert_mesh=expert_mesh)
+        return None
     modules = dict(model.named_modules())
     boundaries = select_boundaries(
         [fqn for fqn, *_ in selected], modules, hook_boundary_predicate, hook_boundary_strict
@@ -219,7 +229,7 @@ def _reject_already_sharded(model: nn.Module) -> None:
         )
 
 
-def _select_params(model: nn.Module, predicate: ParamPredicate):
+def _select_params(model: nn.Module, predicate: ParamPredicate, allow_empty: bool = False):
     """(fqn, param, module, attr) for each selected parameter, in registration order."""
     places: dict[nn.Parameter, list[tuple[str, nn.Module, str]]] = {}
     for mod_path, module in model.named_modules(remove_duplicate=False):
@@ -247,8 +257,11 @@ def _select_params(model: nn.Module, predicate: ParamPredicate):
                 "parameters in the predicate"
             )
         selected.append((fqn, p, module, attr))
-    if not selected:
-        raise ValueError("predicate selected no parameters to dedicate")
+    if not selected and not allow_empty:
+        raise ValueError(
+            "predicate selected no parameters to dedicate (a pipeline stage without Muon "
+            "matrices: pass allow_empty=True)"
+        )
     for p, where in places.items():  # validated: tied weights stay on AdamW, in the FSDP2
         if len(where) > 1:  # group of their holders' common ancestor
             register_tied(p, _common_ancestor(model, [fqn for fqn, *_ in where]))
@@ -384,6 +397,57 @@ def move_hooks_outside_compile(model: nn.Module) -> int:
             register_boundary_hooks(state, group, wrapper)
             moved += 1
     return moved
+
+
+def prepare_pipeline_stage(stage) -> bool:
+    """Serve a ``torch.distributed.pipelining`` stage whose submodule has dedicated matrices.
+
+    Call it once the stage's ``submod`` is final (after ``fully_shard``), before its first
+    step. The schedule runs several microbatches per step, interleaving their forwards and
+    backwards; DMuon then does what FSDP2 does under the schedules: the weights come in with
+    the step's first forward and stay until the stage's ``perform_reduce_grad`` (the end of
+    its last backward of the step), each backward only accumulates, and the step's
+    gradients reach their owners once, there, before the schedule scales gradients. Returns
+    whether the stage has dedicated matrices (``False``: nothing to do).
+
+    Schedules that split backward into input and weight parts (the zero-bubble ones,
+    DualPipeV) compute weight gradients for ``submod.parameters()`` outside the forward that
+    used the full-size weights, which DMuon cannot serve: :func:`check_pipeline_schedule`
+    refuses them.
+    """
+    state = getattr(stage.submod, STATE_ATTR, None)
+    if state is None:
+        return False
+    original = stage.perform_reduce_grad
+    if getattr(original, "_dmuon", False):
+        return True
+    state.enable_pipelining()
+
+    def perform_reduce_grad(grad_scale_factor: int) -> None:
+        state.reduce_step_gradients()
+        original(grad_scale_factor)
+
+    perform_reduce_grad._dmuon = True
+    stage.perform_reduce_grad = perform_reduce_grad
+    return True
+
+
+def check_pipeline_schedule(schedule_class: type) -> None:
+    """Raise ``ValueError`` for schedules :func:`prepare_pipeline_stage` cannot serve."""
+    if schedule_class.__name__ in SPLIT_BACKWARD_SCHEDULES:
+        raise ValueError(
+            f"{schedule_class.__name__} splits backward into input and weight passes, whose "
+            "weight gradients DMuon's dedicated matrices cannot receive; use 1F1B, GPipe, "
+            "Interleaved1F1B or LoopedBFS"
+        )
+
+
+#: torch 2.13's schedules that run weight gradients apart from the rest of backward
+SPLIT_BACKWARD_SCHEDULES = (
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble",
+    "ScheduleDualPipeV",
+)
 
 
 def wait_all_replicate_broadcasts(model: nn.Module) -> None:

@@ -3,40 +3,71 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .runtime.owned_param import is_dedicated
-from .runtime.state import STATE_ATTR
+from .runtime.state import STATE_ATTR, DMuonState
 
 
 @torch.no_grad()
 def clip_grad_norm_(
-    model: nn.Module,
+    model: nn.Module | Sequence[nn.Module],
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
     """Clip all gradients of ``model`` by their global ``norm_type`` norm; return that norm.
 
     Same formula as ``torch.nn.utils.clip_grad_norm_`` on one process. The norm covers FSDP2
     (DTensor) gradients, owned dedicated gradients (each counted once, on its owner) and any
-    plain replicated gradients. Collectives, always in this order on every rank: the DTensor
-    norm's reduction, then an all-reduce of the owned part over the data-parallel world.
+    plain replicated gradients.
+
+    Under pipeline parallelism pass this rank's model parts (a list: their dedicated
+    matrices over one data-parallel mesh) and ``pp_mesh``: the stages' norms are combined
+    over it, as torchtitan's ``clip_grad_norm_`` does. Collectives, always in this order on
+    every rank: the DTensor norm's reduction, an all-reduce of the owned part over the
+    data-parallel world (where a part has dedicated matrices), one over ``pp_mesh``.
     """
-    state = getattr(model, STATE_ATTR, None)
-    if state is not None:
+    models = [model] if isinstance(model, nn.Module) else list(model)
+    states = [s for m in models if (s := getattr(m, STATE_ATTR, None)) is not None]
+    params = [p for m in models for p in m.parameters()]
+    return clip_grads_(params, states, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh)
+
+
+@torch.no_grad()
+def clip_grads_(
+    parameters: Iterable[torch.Tensor],
+    states: list[DMuonState],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    pp_mesh: DeviceMesh | None = None,
+) -> torch.Tensor:
+    """:func:`clip_grad_norm_` over ``parameters``, whose dedicated ones belong to ``states``
+    (each finalized first)."""
+    for state in states:
         state.finalize_reduces()
+    if len({state.mesh.world_size for state in states}) > 1:
+        raise ValueError(
+            "clip_grad_norm_: the model parts' dedicated matrices are on different meshes"
+        )
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
     sharded, plain, owned = [], [], []
-    for p in model.parameters():
-        if p.grad is None:
+    seen: set[int] = set()
+    for p in parameters:
+        if p.grad is None or id(p) in seen:
             continue
+        seen.add(id(p))
         if is_dedicated(p):
             if p.numel() > 0:  # the owner's master; placeholders have no elements
                 owned.append(p.grad)
@@ -48,30 +79,39 @@ def clip_grad_norm_(
     dtype = torch.float32
     for g in grads:
         dtype = torch.promote_types(dtype, g.dtype)
-    device = state.device if state is not None else (grads[0].device if grads else "cpu")
+    if states:
+        device = states[0].device
+    elif grads:
+        device = (sharded[0].to_local() if sharded else grads[0]).device
+    else:
+        device = torch.device("cpu")
 
     def local_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
         if not tensors:
             return torch.zeros((), device=device, dtype=dtype)
         return torch.nn.utils.get_total_norm(tensors, norm_type, foreach=foreach).to(device, dtype)
 
+    def combine(norm: torch.Tensor, all_reduce) -> torch.Tensor:
+        if inf:
+            all_reduce(norm, op=dist.ReduceOp.MAX)
+            return norm
+        norm = norm.pow(norm_type)
+        all_reduce(norm, op=dist.ReduceOp.SUM)
+        return norm.pow(1.0 / norm_type)
+
     parts = [local_norm(plain)]
     if sharded:
         norm = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach)
         parts.append(norm.full_tensor().to(device, dtype))
-    if state is not None and state.mesh.world_size > 1:
-        owned_norm = local_norm(owned)
-        if inf:
-            state.comm.all_reduce(owned_norm, op=dist.ReduceOp.MAX)
-        else:
-            owned_norm = owned_norm.pow(norm_type)
-            state.comm.all_reduce(owned_norm)
-            owned_norm = owned_norm.pow(1.0 / norm_type)
-        parts.append(owned_norm)
-    else:
-        parts.append(local_norm(owned))
+    owned_norm = local_norm(owned)
+    if states and states[0].mesh.world_size > 1:
+        owned_norm = combine(owned_norm, states[0].comm.all_reduce)
+    parts.append(owned_norm)
     stacked = torch.stack(parts)
     total_norm = stacked.max() if inf else torch.linalg.vector_norm(stacked, norm_type)
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        group = pp_mesh.get_group()
+        total_norm = combine(total_norm, lambda t, op: dist.all_reduce(t, op=op, group=group))
 
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")

@@ -248,15 +248,17 @@ class BoundaryGroup:
         issued = self.reduce_grads() if sync else []
         if free:
             self.reshard()
-        self.held_for_backward = False
+            self.held_for_backward = False
         self.training_state = TrainingState.POST_BACKWARD
         return issued
 
-    def end_backward(self) -> None:
-        """The whole backward is over: nothing full-size stays, per-step records reset."""
-        self.reshard()
+    def end_backward(self, keep: bool = False) -> None:
+        """The whole backward is over: per-backward records reset and, unless ``keep``
+        (pipelining: later microbatches use them), nothing full-size stays."""
+        if not keep:
+            self.reshard()
+            self.held_for_backward = False
         self.grads_ready.clear()
-        self.held_for_backward = False
         self.training_state = TrainingState.IDLE
 
     @property

@@ -158,27 +158,42 @@ def new_process_groups(
         "reduce": ranks_of(shard_group),
         "replicate": ranks_of(replicate_group),
         "expert": expert[1],
+        "grid": grid,
     }
     kinds = ("unshard", "reduce", "replicate")
-    kinds = (*kinds, "grid_unshard", "grid_reduce") if grid else kinds
-    result: dict[str, dist.ProcessGroup | None] = dict.fromkeys(kinds)
-    if dist.get_world_size() == 1 or all(mine[k] is None for k in kinds[:3]):
+    grid_kinds = ("grid_unshard", "grid_reduce")
+    result: dict[str, dist.ProcessGroup | None] = dict.fromkeys(
+        (*kinds, *grid_kinds) if grid else kinds
+    )
+    if dist.get_world_size() == 1:
         return result, ()
+    # Every rank gathers, even one whose groups are all of one rank: ranks of another
+    # pipeline stage may have groups to create, and creating them takes every rank.
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
+    # Each rank's grid groups follow from its own entry (stages differ in having stacks).
+    everyone = [
+        _with_grid(theirs, x, everyone) if theirs["grid"] else theirs
+        for x, theirs in enumerate(everyone)
+    ]
+    mine = everyone[dist.get_rank()]
     layout: tuple[tuple[int, ...], ...] = ()
-    if grid:
-        everyone = [_with_grid(theirs, x, everyone) for x, theirs in enumerate(everyone)]
-        mine = everyone[dist.get_rank()]
-        if expert[0] > 1:
-            grids = {theirs["expert"]: theirs["grid_unshard"] for theirs in everyone}
-            layout = tuple(tuple(grids[c] or ()) for c in range(expert[0]))
+    if grid and expert[0] > 1:  # over this rank's data-parallel world (not other stages')
+        me = dist.get_rank()
+        world = [r for x in mine["replicate"] or (me,) for r in everyone[x]["unshard"] or (x,)]
+        grids = {everyone[r]["expert"]: everyone[r]["grid_unshard"] for r in world}
+        layout = tuple(tuple(grids[c] or ()) for c in range(expert[0]))
     wanted = sorted(
-        {(kind, r) for theirs in everyone for kind, r in theirs.items() if kind in kinds and r}
+        {
+            (kind, r)
+            for theirs in everyone
+            for kind, r in theirs.items()
+            if kind in (*kinds, *grid_kinds) and r
+        }
     )
     for kind, ranks in wanted:
         group = dist.new_group(list(ranks))
-        if mine[kind] == ranks:
+        if mine.get(kind) == ranks:
             result[kind] = group
     return result, layout
 

@@ -69,6 +69,10 @@ class DMuonState:
         self.options = options
         self.reshard_after_forward = options.reshard_after_forward
         self.requires_gradient_sync = True
+        #: pipeline parallelism (:meth:`enable_pipelining`): the step's microbatches run their
+        #: forwards and backwards interleaved; weights stay from the first forward to
+        #: :meth:`reduce_step_gradients`, gradients accumulate locally until then
+        self.pipelined = False
         # Summed gradients are divided by this (FSDP2's gradient divide factor): the world size
         # averages; 1.0 sums, for losses already normalized globally (torchtitan does that).
         self.gradient_divide_factor = float(self.mesh.world_size)
@@ -93,6 +97,19 @@ class DMuonState:
     @property
     def device(self) -> torch.device:
         return self.mesh.device
+
+    def enable_pipelining(self) -> None:
+        """Serve a pipeline stage: several microbatches per step, their forwards and
+        backwards interleaved by the schedule (1F1B: the forward of one between the
+        backwards of others). The full-size weights are brought in by the step's first
+        training forward and kept until :meth:`reduce_step_gradients`, every backward only
+        accumulates, and the step's gradients are reduced once, there: what FSDP2 does under
+        torch's pipeline schedules (no reshard after forward or backward, one
+        reduce-scatter per step). ``reshard_after_forward`` does not apply."""
+        if self._initialized and not self.pipelined and self._backward is not None:
+            raise RuntimeError("enable_pipelining inside a backward")
+        self.pipelined = True
+        self.reshard_after_forward = False
 
     # ------------------------------------------------------------------ setup
     def lazy_init(self) -> None:
@@ -313,7 +330,10 @@ class DMuonState:
             # A re-broadcast this rank only joined is freed at the end of backward: waiting
             # for it here could block on a peer that is not there yet.
             self._pending_reduces.extend(
-                group.post_backward(sync=self.requires_gradient_sync, free=ran)
+                group.post_backward(
+                    sync=self.requires_gradient_sync and not self.pipelined,
+                    free=ran and not self.pipelined,
+                )
             )
             cursor.reduce_issued += 1
 
@@ -324,7 +344,8 @@ class DMuonState:
                 self._issue_backward_unshards(len(self.schedule.backward_unshard) - 1)
             self._advance_reduces()
             for group in self.groups:
-                group.end_backward()  # frees re-broadcasts this rank only joined, prefetches
+                # frees re-broadcasts this rank only joined, prefetches; pipelined: keeps all
+                group.end_backward(keep=self.pipelined)
             self.finalize_reduces()
             if not self.schedule.recorded:
                 # Every rank's first backward ends here: one gather of the recorded orders.
@@ -335,6 +356,21 @@ class DMuonState:
             self._ending_backward = False
             self._backward = None
             self.ran_this_step.clear()
+
+    def reduce_step_gradients(self) -> None:
+        """Pipelining, after the step's last backward on this stage: every boundary's
+        accumulated gradients to their owners (in schedule order; the same on every rank
+        whatever ran here), the full-size weights dropped, the owners' ``grad`` set."""
+        if not self.pipelined or self.direct or not self._initialized:
+            return
+        if self._backward is not None:
+            raise RuntimeError("reduce_step_gradients inside a backward")
+        for index in self.schedule.reduce:
+            group = self.groups[index]
+            if self.requires_gradient_sync:
+                self._pending_reduces.extend(group.reduce_grads())
+            group.end_backward()
+        self.finalize_reduces()
 
     def finalize_reduces(self) -> None:
         """Wait for the issued reduces; owners get ``owned.grad`` (see

@@ -24,7 +24,7 @@ from .clip import install_clip
 from .converter import MODEL_NAMES, DMuonConverter
 from .metrics import build_metrics_processor, count_full_sizes
 from .optimizer import builder_for
-from .parallelize import install_expert_parallel_patch, wrap_parallelize
+from .parallelize import install_expert_parallel_patch, wrap_parallelize, wrap_pipelining
 
 _installed = False
 
@@ -53,6 +53,7 @@ def install() -> None:
             dataclasses.replace(
                 spec,
                 parallelize_fn=wrap_parallelize(spec.parallelize_fn),
+                pipelining_fn=wrap_pipelining(spec.pipelining_fn),
                 build_optimizers_fn=builder_for(spec.build_optimizers_fn),
                 build_metrics_processor_fn=build_metrics_processor,
             ),

@@ -8,20 +8,22 @@ import functools
 
 import torchtitan.distributed.utils as dist_utils
 
-from ..clip import clip_grad_norm_ as dmuon_clip_grad_norm_
+from ..clip import clip_grads_
 from ..runtime.owned_param import dedicated_of
 
 _stock = dist_utils.clip_grad_norm_
 
 
-def _dmuon_model_for(parameters):
-    """The model whose dedicated matrices are among ``parameters``, if any."""
+def _dmuon_states_of(parameters) -> list:
+    """The DMuon states (one per model part) whose dedicated matrices are among
+    ``parameters``, in order."""
+    states: dict[int, object] = {}
     for p in parameters:
         dedicated = dedicated_of(p)
         state = dedicated.state_ref() if dedicated is not None and dedicated.state_ref else None
         if state is not None:
-            return state.root
-    return None
+            states.setdefault(id(state), state)
+    return list(states.values())
 
 
 @functools.wraps(_stock)
@@ -35,12 +37,14 @@ def clip_grad_norm_(
     ep_enabled=False,
 ):
     parameters = list(parameters)
-    model = _dmuon_model_for(parameters)
-    if model is None:
+    states = _dmuon_states_of(parameters)
+    if not states:
         return _stock(
             parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled
         )
-    return dmuon_clip_grad_norm_(model, max_norm, norm_type, error_if_nonfinite, foreach)
+    return clip_grads_(
+        parameters, states, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh
+    )
 
 
 def install_clip() -> None:

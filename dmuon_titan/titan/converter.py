@@ -14,9 +14,10 @@ from torch import nn
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
-from ..api import clean_fqn, dedicate_params, summarize_plan
+from ..api import check_pipeline_schedule, clean_fqn, dedicate_params, summarize_plan
 from ..options import options_kwargs
 from ..plan.cost import orthogonalize_flops
+from ..runtime.state import STATE_ATTR
 from .config import ConfigError
 from .selection import describe_selection, muon_predicate
 
@@ -34,6 +35,8 @@ class DMuonJob:
 
     config: object  # the [dmuon] section
     predicate: object  # (fqn, param) -> bool: the Muon matrices
+    #: pipeline parallelism: each stage's part dedicates its own matrices in parallelize_fn
+    per_stage: bool = False
 
 
 def job_of(model_parts) -> DMuonJob | None:
@@ -63,15 +66,16 @@ def check_compatibility(job_config, parallel_dims) -> None:
     p = job_config.parallelism
     unsupported = {
         "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
-        "parallelism.pipeline_parallel_degree": p.pipeline_parallel_degree,
         "parallelism.expert_tensor_parallel_degree": p.expert_tensor_parallel_degree,
     }
     for key, value in unsupported.items():
         if value not in (1, None):
             raise ConfigError(
                 f"{key} = {value}: not supported with DMuon yet (data parallelism — FSDP, "
-                "HSDP, DDP — and expert and context parallelism are)"
+                "HSDP, DDP — and expert, context and pipeline parallelism are)"
             )
+    if parallel_dims.pp_enabled:
+        _check_pipeline(p)
     if p.expert_parallel_degree > 1 and p.expert_parallel_comm_backend != "standard":
         raise ConfigError(
             f"parallelism.expert_parallel_comm_backend = {p.expert_parallel_comm_backend!r}: "
@@ -83,6 +87,22 @@ def check_compatibility(job_config, parallel_dims) -> None:
         raise ConfigError("training.enable_cpu_offload = true: not supported with DMuon")
     if job_config.optimizer.early_step_in_backward:
         raise ConfigError("optimizer.early_step_in_backward = true: not supported with DMuon")
+
+
+def _check_pipeline(p) -> None:
+    if p.pipeline_parallel_schedule_csv:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule_csv = {p.pipeline_parallel_schedule_csv!r}: "
+            "not supported with DMuon yet (a schedule by name is); leave it empty"
+        )
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    try:
+        check_pipeline_schedule(get_schedule_class(p.pipeline_parallel_schedule))
+    except ValueError as err:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule = {p.pipeline_parallel_schedule!r}: {err}"
+        ) from None
 
 
 FLOAT8 = "quantize.linear.float8"
@@ -123,11 +143,26 @@ def dp_meshes(parallel_dims):
     shard = parallel_dims.get_optional_mesh("fsdp")
     replicate = parallel_dims.get_optional_mesh("dp_replicate")
     if shard is None and replicate is None:
+        shard = _one_rank_mesh()
+    return shard, replicate
+
+
+_ONE_RANK_MESH = None
+
+
+def _one_rank_mesh():
+    """This rank alone, as a mesh (no data parallelism: one device, or only pipeline
+    stages). Made from a (world, 1) mesh so that every rank takes part in creating it."""
+    global _ONE_RANK_MESH
+    if _ONE_RANK_MESH is None:
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torchtitan.tools import utils
 
-        shard = init_device_mesh(utils.device_type, (1,), mesh_dim_names=("fsdp",))
-    return shard, replicate
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        mesh = init_device_mesh(utils.device_type, (world, 1), mesh_dim_names=("_rest", "fsdp"))
+        _ONE_RANK_MESH = mesh["fsdp"]
+    return _ONE_RANK_MESH
 
 
 def check_stacks(job_config, parallel_dims, model: nn.Module, predicate) -> None:
@@ -167,6 +202,67 @@ def check_stacks(job_config, parallel_dims, model: nn.Module, predicate) -> None
             )
 
 
+def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str = "") -> None:
+    """``dedicate_params`` on ``model`` (the whole model, or one pipeline stage's part,
+    named by ``stage``) over torchtitan's data-parallel meshes, and the plan's log line."""
+    cfg = job_config.dmuon
+    boundary = (lambda m: True) if cfg.hook_boundary == "module" else None
+    shard_mesh, replicate_mesh = dp_meshes(parallel_dims)
+    expert_mesh = parallel_dims.get_optional_mesh("ep") if parallel_dims.ep > 1 else None
+    options = options_kwargs(cfg.dedicate_options())
+    if stage:  # a stage keeps its weights for all the step's microbatches (prepare_pipeline_stage)
+        options["reshard_after_forward"] = False
+    try:
+        dedicate_params(
+            model,
+            shard_mesh,
+            predicate,
+            hook_boundary_predicate=boundary,
+            replicate_mesh=replicate_mesh,
+            expert_mesh=expert_mesh,
+            allow_empty=bool(stage),
+            **options,
+        )
+        if getattr(model, STATE_ATTR, None) is None:
+            logger.info(f"DMuon: {stage} holds no Muon matrix: AdamW steps all its parameters")
+            return
+    except ValueError as err:
+        if "expert-parallel degree" not in str(err):
+            raise
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {parallel_dims.ep}: {err}"
+        ) from None
+    training = job_config.training
+    summary = summarize_plan(
+        model,
+        TORCH_DTYPE_MAP[training.mixed_precision_param],
+        TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+    )
+    loads = summary["ns_flops_per_rank"]
+    idle = [rank for rank, load in enumerate(loads) if load == 0]
+    where = f"{stage}: " if stage else ""
+    if idle:
+        logger.warning(
+            f"DMuon: {where}ranks {idle} of {len(loads)} own no Muon matrix "
+            f"({summary['num_params']} matrices): their Newton-Schulz share is zero and the "
+            "others carry it; [dmuon] small_param_numel = 0 gives every matrix its own owner"
+        )
+    # The yardstick of the benchmarks (T_floor): plain NS of every matrix, whatever runs.
+    plain = sum(orthogonalize_flops(p["shape"], "plain") for p in summary["params"])
+    z = "Z3" if options["reshard_after_forward"] else "Z2"
+    logger.info(
+        f"DMuon: {where}{summary['num_params']} matrices on {summary['world_size']} ranks "
+        f"({_count(summary['replicate_size'], 'replica')} x "
+        f"{_count(summary['shard_size'], 'shard')}"
+        f"{f', experts cut by expert parallelism {expert_mesh.size()}' if expert_mesh else ''}), "
+        f"{len(summary['boundaries'])} hook boundaries, NS GFLOP per rank "
+        f"{[round(x / 1e9, 1) for x in loads]} (imbalance {summary['imbalance']:.3f}; "
+        f"plain-NS GFLOP {plain / 1e9:.1f} in all), "
+        f"{summary['bytes_per_rank_per_step']['total'] / 2**20:.1f} MiB per rank per step "
+        f"({z}, {_layouts(summary['boundaries'])}); NS {cfg.ns_algorithm} in {cfg.ns_dtype}"
+    )
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' if n != 1 else ''}"
 
@@ -183,61 +279,17 @@ class DMuonConverter:
         cfg = self.job_config.dmuon
         predicate = muon_predicate(cfg.params, model)
         check_stacks(self.job_config, self.parallel_dims, model, predicate)
-        setattr(model, JOB_ATTR, DMuonJob(cfg, predicate))
+        # Under pipeline parallelism torchtitan deep-copies this model into one part per
+        # stage after the converters ran: each part dedicates its own matrices, over its
+        # stage's data-parallel mesh, in parallelize_fn (parallelize.py).
+        per_stage = self.parallel_dims.pp_enabled and cfg.mode == "dedicated"
+        setattr(model, JOB_ATTR, DMuonJob(cfg, predicate, per_stage))
         logger.info(describe_selection(model, predicate))
         if cfg.mode == "naive":
             logger.info("DMuon naive mode: every parameter stays on FSDP2")
             return
-        boundary = (lambda m: True) if cfg.hook_boundary == "module" else None
-        shard_mesh, replicate_mesh = dp_meshes(self.parallel_dims)
-        expert_mesh = (
-            self.parallel_dims.get_optional_mesh("ep") if self.parallel_dims.ep > 1 else None
-        )
-        try:
-            dedicate_params(
-                model,
-                shard_mesh,
-                predicate,
-                hook_boundary_predicate=boundary,
-                replicate_mesh=replicate_mesh,
-                expert_mesh=expert_mesh,
-                **options_kwargs(cfg.dedicate_options()),
-            )
-        except ValueError as err:
-            if "expert-parallel degree" not in str(err):
-                raise
-            raise ConfigError(
-                f"parallelism.expert_parallel_degree = {self.parallel_dims.ep}: {err}"
-            ) from None
-        training = self.job_config.training
-        summary = summarize_plan(
-            model,
-            TORCH_DTYPE_MAP[training.mixed_precision_param],
-            TORCH_DTYPE_MAP[training.mixed_precision_reduce],
-        )
-        loads = summary["ns_flops_per_rank"]
-        idle = [rank for rank, load in enumerate(loads) if load == 0]
-        if idle:
-            logger.warning(
-                f"DMuon: ranks {idle} of {len(loads)} own no Muon matrix ({summary['num_params']} "
-                "matrices): their Newton-Schulz share is zero and the others carry it; "
-                "[dmuon] small_param_numel = 0 gives every matrix its own owner"
-            )
-        # The yardstick of the benchmarks (T_floor): plain NS of every matrix, whatever runs.
-        plain = sum(orthogonalize_flops(p["shape"], "plain") for p in summary["params"])
-        logger.info(
-            f"DMuon: {summary['num_params']} matrices on {summary['world_size']} ranks "
-            f"({_count(summary['replicate_size'], 'replica')} x "
-            f"{_count(summary['shard_size'], 'shard')}"
-            f"{f', experts cut by expert parallelism {expert_mesh.size()}' if expert_mesh else ''}), "
-            f"{len(summary['boundaries'])} hook boundaries, NS GFLOP per rank "
-            f"{[round(x / 1e9, 1) for x in loads]} (imbalance {summary['imbalance']:.3f}; "
-            f"plain-NS GFLOP {plain / 1e9:.1f} in all), "
-            f"{summary['bytes_per_rank_per_step']['total'] / 2**20:.1f} MiB per rank per step "
-            f"({'Z3' if cfg.reshard_after_forward else 'Z2'}, "
-            f"{_layouts(summary['boundaries'])}); NS {cfg.ns_algorithm} in "
-            f"{cfg.ns_dtype}"
-        )
+        if not per_stage:
+            dedicate(model, self.job_config, self.parallel_dims, predicate)
 
     def post_optimizer_hook(self, model) -> None:
         pass

@@ -45,7 +45,11 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for model, opt in zip(self.model_parts, self.optimizers, strict=True):
-            set_optimizer_state_dict(model, opt, state_dict, full=False)
+            # (one flat dict for all parts: each takes its own keys, pipeline stages' FQNs
+            # being disjoint)
+            mine = get_optimizer_state_dict(model, opt, full=False)
+            part = {k: v for k, v in state_dict.items() if k in mine}
+            set_optimizer_state_dict(model, opt, part, full=False)
 
     def step_timings(self) -> dict[str, float]:
         """Milliseconds per phase of the last step, summed over model parts (syncs on CUDA)."""

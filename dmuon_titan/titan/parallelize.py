@@ -17,9 +17,10 @@ import functools
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from ..api import move_hooks_outside_compile, set_gradient_divide_factor
+from ..api import move_hooks_outside_compile, prepare_pipeline_stage, set_gradient_divide_factor
 from ..runtime.owned_param import is_dedicated
 from ..runtime.state import STATE_ATTR
+from .converter import JOB_ATTR, dedicate
 
 
 def install_expert_parallel_patch() -> None:
@@ -53,9 +54,23 @@ def install_expert_parallel_patch() -> None:
     ExpertParallel._apply = apply
 
 
+def _stage_name(model) -> str:
+    """How logs name a pipeline stage's part: by its first and last children kept."""
+    kept = [
+        f"layers.{k}" if name == "layers" else name
+        for name, child in model.named_children()
+        if child is not None
+        for k in (list(child.keys()) if name == "layers" else [None])
+    ]
+    return f"pipeline stage [{kept[0]} .. {kept[-1]}]" if kept else "pipeline stage (empty)"
+
+
 def wrap_parallelize(parallelize_fn):
     @functools.wraps(parallelize_fn)
     def parallelize(model, parallel_dims, job_config):
+        job = getattr(model, JOB_ATTR, None)
+        if job is not None and job.per_stage:
+            dedicate(model, job_config, parallel_dims, job.predicate, stage=_stage_name(model))
         model = parallelize_fn(model, parallel_dims, job_config)
         if dist.is_initialized() and dist.get_backend() == "gloo":
             for m in model.modules():
@@ -70,3 +85,21 @@ def wrap_parallelize(parallelize_fn):
         return model
 
     return parallelize
+
+
+def wrap_pipelining(pipelining_fn):
+    """A spec's ``pipelining_fn`` whose stages with dedicated matrices DMuon serves
+    (:func:`dmuon_titan.prepare_pipeline_stage`: weights kept for the step's microbatches,
+    gradients reduced once per step)."""
+    if pipelining_fn is None:
+        return None
+
+    @functools.wraps(pipelining_fn)
+    def pipeline(*args, **kwargs):
+        schedule, parts, has_first, has_last = pipelining_fn(*args, **kwargs)
+        stages = getattr(schedule, "_stages", None) or [schedule._stage]
+        for stage in stages:
+            prepare_pipeline_stage(stage)
+        return schedule, parts, has_first, has_last
+
+    return pipeline

@@ -7,6 +7,7 @@ and ``torch.optim.AdamW`` on everything else, one process, the whole global batc
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, replace
 from unittest import mock
 
@@ -37,6 +38,9 @@ from .models import (
 
 MODELS = {
     "toy": ToyTransformer,
+    # deeper and shallower toys, for pipeline stages (tests/helpers/pipeline.py)
+    "toy2": functools.partial(ToyTransformer, n_layers=2),
+    "toy4": functools.partial(ToyTransformer, n_layers=4),
     "reuse": ReuseTransformer,
     "branch": BranchTransformer,
     "moe": MoETransformer,

@@ -4,8 +4,18 @@ context parallelism (on CPU through the toy harness's ring-attention shim)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from .test_titan import checkpointed_args, run_ok, seed_checkpoint, tb_losses, toy_args
+from .test_titan import (
+    REPO,
+    checkpointed_args,
+    read_checkpoint,
+    run_ok,
+    seed_checkpoint,
+    tb_losses,
+    tb_scalars,
+    toy_args,
+)
 
 FLOAT8 = ["--model.converters", "quantize.linear.float8,dmuon", "--quantize.linear.float8.emulate"]
 
@@ -74,3 +84,108 @@ def test_context_parallel_equals_one_rank_and_resumes(tokenizer_dir, tmp_path):
     for step in range(1, 11):
         assert abs(la[step] - lone[step]) <= 1e-5, (step, la[step], lone[step])
     assert [la[s] for s in range(6, 11)] == [lb[s] for s in range(6, 11)]
+
+
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+INTERLEAVED = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+
+
+def test_pipeline_parallel_equals_one_stage_and_the_naive_path(tokenizer_dir, tmp_path):
+    """Pipeline parallelism from one seed checkpoint, 2 microbatches per step: pp 2 (2
+    ranks) and pp 2 x dp 2 (4 ranks), 1F1B and Interleaved1F1B (4 stages): the losses of
+    every step equal the pp 1 run's of the same global batch within 1e-5, and the naive
+    path's (every weight on FSDP2) under the same PP within 1e-5.
+
+    torchtitan's PP gradients come out global-token-count times larger than without PP
+    (pytorch/torchtitan#2972: the schedule's loss is not divided by the token count); DMuon's
+    are scaled exactly like FSDP2's of the same run. Clipping at max_norm 0.1, active at
+    every step with and without PP (asserted), makes the two comparable."""
+    seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
+    common = [
+        "--validation.no-enable",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1000",
+        "--checkpoint.initial_load_path",
+        seed,
+        "--training.steps",
+        "5",
+        "--training.max_norm",
+        "0.1",
+    ]
+    runs = {
+        "pp1": (1, []),
+        "pp2": (2, PP2),
+        "pp2-interleaved": (2, [*PP2, *INTERLEAVED]),
+        "pp2-interleaved-naive": (2, [*PP2, *INTERLEAVED, "--dmuon.mode", "naive"]),
+        "dp2": (2, []),
+        "pp2xdp2": (4, PP2),
+        "pp2xdp2-interleaved": (4, [*PP2, *INTERLEAVED]),
+        "pp2xdp2-naive": (4, [*PP2, "--dmuon.mode", "naive"]),
+    }
+    losses, norms = {}, {}
+    for name, (n, extra) in runs.items():
+        out = run_ok(n, *toy_args(tokenizer_dir, tmp_path / name, *common, *extra))
+        if "pp2" in name:
+            assert "Using pipeline schedule" in out
+        losses[name] = tb_losses(tmp_path / name)
+        norms[name] = tb_scalars(tmp_path / name, "grad_norm")
+        assert sorted(losses[name]) == list(range(1, 6)), name
+        assert min(norms[name].values()) > 0.1, (name, norms[name])  # clipping active
+    for name in runs:
+        ref = losses["dp2" if "dp2" in name else "pp1"]
+        for step in range(1, 6):
+            assert abs(losses[name][step] - ref[step]) <= 1e-5, (name, step)
+    assert losses["pp2xdp2"][5] < losses["pp2xdp2"][1]
+
+
+def test_pipeline_parallel_resumes_and_loads_at_other_degrees(tokenizer_dir, tmp_path):
+    """pp 2 x dp 2, Interleaved1F1B: stopped at 3 and resumed, steps 4-6 are bit-identical
+    to the uninterrupted run; its step-3 checkpoint loads at pp 2 x dp 1, pp 1 x dp 2 and on
+    one rank with identical weights and momentum (torchtitan's data loader state cannot
+    change its data-parallel degree: left out, as in the DP tests)."""
+    seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
+    common = [
+        "--validation.no-enable",
+        *checkpointed_args(total_steps=6, interval=3, validation_freq=100),
+        "--checkpoint.initial_load_path",
+        seed,
+        "--training.max_norm",
+        "0.1",
+    ]
+    mine = [*PP2, *INTERLEAVED]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_ok(4, *toy_args(tokenizer_dir, a, *common, *mine, "--training.steps", "6"))
+    run_ok(4, *toy_args(tokenizer_dir, b, *common, *mine, "--training.steps", "3"))
+    out = run_ok(4, *toy_args(tokenizer_dir, b, *common, *mine, "--training.steps", "6"))
+    assert "Training starts at step 4" in out
+    la, lb = tb_losses(a), tb_losses(b)
+    assert [la[s] for s in range(4, 7)] == [lb[s] for s in range(4, 7)]
+    # Its step-3 checkpoint at other degrees: identical weights and momentum.
+    saved = read_checkpoint(a / "checkpoint" / "step-3", tmp_path)
+    model_keys = [k for k, v in saved.items() if isinstance(v, torch.Tensor)]
+    momentum = [k for k in saved["optimizer"] if k.endswith(".momentum_buffer")]
+    assert "layers.5.feed_forward.w2.weight" in model_keys and len(momentum) == 6 * 7
+    reshard = ["--checkpoint.exclude_from_loading", "dataloader"]
+    for name, (n, extra) in {"pp2xdp1": (2, PP2), "pp1xdp2": (2, []), "pp1": (1, [])}.items():
+        probe_out = tmp_path / f"probe-{name}.pt"
+        run_ok(
+            n,
+            str(probe_out),
+            *toy_args(tokenizer_dir, a, *common, *extra, "--checkpoint.load_step", "3", *reshard),
+            script=str(REPO / "tests" / "titan" / "titan_probe.py"),
+        )
+        probe = torch.load(probe_out, weights_only=False)
+        assert probe["step"] == 3, name
+        assert sorted(probe["model"]) == sorted(model_keys), name
+        for k in model_keys:
+            assert torch.equal(probe["model"][k], saved[k]), (name, k)
+        loaded = [
+            (fqn, key, value)
+            for fqn, entry in probe["optim"]["state"].items()
+            for key, value in entry.items()
+            if isinstance(value, torch.Tensor) and value.ndim > 0
+        ]
+        assert sum(key == "momentum_buffer" for _, key, _ in loaded) == 6 * 7, name
+        for fqn, key, value in loaded:
+            assert torch.equal(value, saved["optimizer"][f"state.{fqn}.{key}"]), (name, fqn, key)

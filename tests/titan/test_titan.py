@@ -366,8 +366,13 @@ def test_bad_toml_values_and_keys_are_named(tmp_path):
         ),
         (
             "toy_dmuon.toml",
-            ["--parallelism.pipeline_parallel_degree", "2"],
-            "parallelism.pipeline_parallel_degree = 2",
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "ZBVZeroBubble",
+            ],
+            "parallelism.pipeline_parallel_schedule = 'ZBVZeroBubble'",
         ),
         (
             "toy_dmuon.toml",
@@ -392,7 +397,7 @@ def test_bad_toml_values_and_keys_are_named(tmp_path):
         "tied-weight",
         "float8-after-dmuon",
         "mx",
-        "pp2",
+        "pp-zero-bubble",
         "float8-all-gather",
     ],
 )

@@ -1,5 +1,6 @@
 """Load the latest checkpoint through torchtitan's own Trainer and CheckpointManager, then
-write the full DMuon model and optimizer state (rank 0). Launched with torchrun by the tests:
+write the full DMuon model and optimizer state (rank 0; every model part of every pipeline
+stage merged). Launched with torchrun by the tests:
 
     torchrun --nproc_per_node N tests/titan/titan_probe.py OUT.pt --job.config_file ... [overrides]
 """
@@ -20,13 +21,21 @@ def main() -> None:
     trainer = Trainer(config)
     try:
         trainer.checkpointer.load(step=config.checkpoint.load_step)
-        model = trainer.model_parts[0]
-        optimizer = trainer.optimizers.optimizers[0]
+        weights, optim = {}, {}
+        for part, opt in zip(trainer.model_parts, trainer.optimizers.optimizers, strict=True):
+            weights.update(dmuon.get_model_state_dict(part))
+            optim.update(dmuon.get_optimizer_state_dict(part, opt)["state"])
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (weights, optim))  # the other pipeline stages
+        for theirs_weights, theirs_optim in everyone:
+            weights.update(theirs_weights)
+            optim.update(theirs_optim)
+        first = trainer.model_parts[0]
         state = {
             "step": trainer.step,
-            "model": dmuon.get_model_state_dict(model),
-            "optim": dmuon.get_optimizer_state_dict(model, optimizer),
-            "plan": dmuon.summarize_plan(model),
+            "model": weights,
+            "optim": {"state": optim},
+            "plan": dmuon.summarize_plan(first) if hasattr(first, "_dmuon_state") else None,
         }
         if dist.get_rank() == 0:
             torch.save(state, out)
