@@ -56,9 +56,13 @@ def test_pipeline_equals_single_process_reference(world, pcfg):
             if dp == 1:  # direct: the modules hold the masters, nothing moves
                 assert phases == []
                 continue
-            # (+1: the first step's one gather of the recorded forward orders)
-            assert len(phases) == 2 * cfg.steps * buckets + 1, phases
-            assert phases.count("forward") == phases.count("reduce") == cfg.steps * buckets
+            # Once per step each, whatever the microbatches: the weights in, the gradients out
+            # (+1: the first step's one gather of the recorded forward orders; torch <= 2.12
+            # first infers the stages' shapes by a forward without gradients: one more set).
+            once = cfg.steps * buckets
+            assert phases.count("reduce") == once, phases
+            assert phases.count("forward") in (once, once + buckets), phases
+            assert len(phases) == phases.count("forward") + once + 1, phases
 
 
 def test_pipeline_stage_without_muon_matrix_and_clipping():
