@@ -132,10 +132,11 @@ def test_pipeline_parallel_equals_one_stage_and_the_naive_path(tokenizer_dir, tm
         norms[name] = tb_scalars(tmp_path / name, "grad_norm")
         assert sorted(losses[name]) == list(range(1, 6)), name
         assert min(norms[name].values()) > 0.1, (name, norms[name])  # clipping active
-    for name in runs:
-        ref = losses["dp2" if "dp2" in name else "pp1"]
+    pairs = [(name, "dp2" if "dp2" in name else "pp1") for name in runs]
+    pairs += [("pp2-interleaved", "pp2-interleaved-naive"), ("pp2xdp2", "pp2xdp2-naive")]
+    for name, ref in pairs:
         for step in range(1, 6):
-            assert abs(losses[name][step] - ref[step]) <= 1e-5, (name, step)
+            assert abs(losses[name][step] - losses[ref][step]) <= 1e-5, (name, ref, step)
     assert losses["pp2xdp2"][5] < losses["pp2xdp2"][1]
 
 
