@@ -17,6 +17,7 @@ from .api import (
 from .clip import clip_grad_norm_
 from .muon import Muon
 from .newton_schulz import NS_COEFFICIENT_SETS
+from .runtime.init_rng import independent_init
 from .state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -32,6 +33,7 @@ __all__ = [
     "dedicate_params",
     "get_model_state_dict",
     "get_optimizer_state_dict",
+    "independent_init",
     "move_hooks_outside_compile",
     "no_sync",
     "prepare_pipeline_stage",

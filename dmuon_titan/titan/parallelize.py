@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from ..api import move_hooks_outside_compile, prepare_pipeline_stage, set_gradient_divide_factor
+from ..runtime.init_rng import wrap_init_weights
 from ..runtime.owned_param import is_dedicated
 from ..runtime.state import STATE_ATTR
 from .converter import JOB_ATTR, dedicate
@@ -82,6 +83,9 @@ def wrap_parallelize(parallelize_fn):
             replicas = parallel_dims.dp_replicate if not parallel_dims.fsdp_enabled else 1
             set_gradient_divide_factor(model, float(replicas))
             move_hooks_outside_compile(model)
+            # torchtitan seeds every rank alike: each dedicated matrix is initialized from
+            # its name and the seed, not from its owner's stream (runtime/init_rng.py)
+            wrap_init_weights(model)
         return model
 
     return parallelize

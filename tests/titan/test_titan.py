@@ -510,3 +510,30 @@ def test_ddp_toy_trains(tokenizer_dir, tmp_path):
     assert "DMuon: 42 matrices on 2 ranks (2 replicas x 1 shard)" in out
     losses = tb_losses(tmp_path)
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
+
+
+def test_dedicated_matrices_initialize_alike_at_any_world_size(tokenizer_dir, tmp_path):
+    """torchtitan seeds every rank alike; the plugin initializes each dedicated matrix from
+    its name and that seed (``dmuon.independent_init``): the 42 matrices of a fresh toy model
+    are the same on 1 and 2 ranks, and no two are equal."""
+    weights = {}
+    for nproc in (1, 2):
+        probe_out = tmp_path / f"init{nproc}.pt"
+        run_ok(
+            nproc,
+            str(probe_out),
+            *toy_args(tokenizer_dir, tmp_path / f"run{nproc}"),
+            script=str(REPO / "tests" / "titan" / "titan_probe.py"),
+        )
+        probe = torch.load(probe_out, weights_only=False)
+        assert probe["step"] == 0
+        dedicated = {p["fqn"] for p in probe["plan"]["params"]}
+        weights[nproc] = {k: v for k, v in probe["model"].items() if k in dedicated}
+    one, two = weights[1], weights[2]
+    assert len(one) == 42 and sorted(one) == sorted(two)
+    for k, v in one.items():
+        assert torch.equal(two[k], v), k
+    values = list(one.values())
+    for i, a in enumerate(values):
+        for b in values[i + 1 :]:
+            assert a.shape != b.shape or not torch.equal(a, b)
