@@ -116,6 +116,16 @@ def clip_grads_(
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")
     clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    # One foreach multiply per (device, dtype), as torch's clip_grads_with_norm_ does: a
+    # Python loop over every gradient costs milliseconds of host time at small scale.
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
     for g in [g.to_local() for g in sharded] + plain + owned:
-        g.mul_(clip_coef.to(device=g.device, dtype=g.dtype))
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for (g_device, g_dtype), same in by_kind.items():
+        coef = clip_coef.to(device=g_device, dtype=g_dtype)
+        if foreach is False:
+            for g in same:
+                g.mul_(coef)
+        else:
+            torch._foreach_mul_(same, coef)
     return total_norm

@@ -9,16 +9,22 @@ first log as the baseline of the ratio column.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 
 from titan_logs import DMUON, PLAIN, PLAN, STEP, lines
 
+VAL_TPS = re.compile(r"validate step:.*?tps:\s*([\d,]+)")
+
 
 def summarize(path: str, skip: int, tokens_per_step: int) -> dict:
     tps, mem, opt, ns, loss, ns_gflop, plain = [], [], [], [], {}, None, None
+    val_tps = []
     for line in lines(path):
         if "validate" in line:
+            if m := VAL_TPS.search(line):
+                val_tps.append(float(m.group(1).replace(",", "")))
             continue
         if (m := PLAN.search(line)) and ns_gflop is None:
             ns_gflop = [float(v) for v in m.group(1).split(",")]
@@ -45,6 +51,7 @@ def summarize(path: str, skip: int, tokens_per_step: int) -> dict:
         "optimizer_ms": statistics.median(opt) if opt else None,
         "ns_ms": statistics.median(ns) if ns else None,
         "final_loss": loss[max(loss)],
+        "val_tps": statistics.median(val_tps) if val_tps else None,
         "ns_gflop_per_rank": ns_gflop,
         "plain_ns_gflop": plain,
     }
@@ -74,14 +81,17 @@ def main() -> None:
     rows = [summarize(p, args.skip, args.seq_len * args.batch) for p in args.logs]
     base = rows[0]["step_s"]
     print(
-        "| run | steps | step time (s) | tok/s/device | peak mem (GiB) | optimizer (ms) | NS (ms) | step time / first |"
+        "| run | steps | step time (s) | tok/s/device | peak mem (GiB) | optimizer (ms) | NS (ms) "
+        "| step time / first | validation tok/s (median) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+        val = "-" if r["val_tps"] is None else f"{r['val_tps']:,.0f}"
         print(
             f"| {r['log']} | {r['steps']} | {r['step_s']:.3f} | {r['tps']:,.0f} | {r['peak_gib']:.1f} "
-            f"| {fmt(r['optimizer_ms'])} | {fmt(r['ns_ms'])} | {r['step_s'] / base:.3f} |"
+            f"| {fmt(r['optimizer_ms'])} | {fmt(r['ns_ms'])} | {r['step_s'] / base:.3f} "
+            f"| {val} |"
         )
     if args.floor_tflops:
         for r in rows[1:]:

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Small-scale measurements on one GPU (torchtitan llama3 170M, configs/llm170m_*.toml, batch
+# 8 x 1024, bf16), written to OUTDIR:
+#   throughput  AdamW and DMuon each run alone, alternating (A D A D), STEPS steps (default
+#               300) with validation every 100 and logs every 10 steps: median training and
+#               validation (forward only) tok/s per run, by scripts/analysis/titan_log_summary.py
+#   profile     one profiled step (30) of each, for scripts/analysis/trace_summary.py
+#   loss        time-to-loss: SEEDS (default "1 2 3") x {AdamW at lr 5e-4, DMuon at 2e-3}
+#               (each one's best in docs/benchmarks.md's sweep), 1000 steps on the stdlib corpus
+#               in a shuffled order (dataset pystdlib_shuffled_<seed>), debug.seed = seed,
+#               validation every VAL_FREQ (default 100) steps on the whole split; the
+#               runs share the GPU side by side (the step counts do not depend on it), and the
+#               wall-clock ratio is steps x the step times of the throughput runs
+#               (scripts/analysis/time_to_loss.py)
+#   scripts/run/small_scale.sh OUTDIR [throughput] [profile] [loss]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:?usage: scripts/run/small_scale.sh OUTDIR [throughput] [profile] [loss]}
+shift
+PARTS=${*:-throughput profile loss}
+STEPS=${STEPS:-300}
+SEEDS=${SEEDS:-1 2 3}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+python3 -m dmuon_titan.toy --out outputs/assets/tokenizer_8k --vocab-size 8192
+titan() {  # titan NAME OPTIMIZER [overrides...]
+  local name=$1 opt=$2
+  shift 2
+  torchrun --standalone --nproc_per_node=1 --role rank --tee 3 -m torchtitan.train \
+    --job.config_file "configs/llm170m_${opt}.toml" --job.dump_folder "$OUT/dump_$name" \
+    --metrics.disable_color_printing "$@" >"$OUT/$name.log" 2>&1 \
+    || { echo "$name failed:"; tail -30 "$OUT/$name.log"; return 1; }
+}
+for part in $PARTS; do
+  case $part in
+    throughput)
+      for round in 1 2; do
+        for opt in adamw dmuon; do
+          titan "throughput_${opt}_$round" "$opt" --training.steps "$STEPS" \
+            --metrics.log_freq 10 --validation.freq 100 --training.dataset pystdlib_shuffled_1
+        done
+      done
+      (cd scripts/analysis && python3 titan_log_summary.py --seq-len 1024 --batch 8 --skip 20 \
+        "$OUT"/throughput_adamw_1.log "$OUT"/throughput_dmuon_1.log \
+        "$OUT"/throughput_adamw_2.log "$OUT"/throughput_dmuon_2.log) \
+        | tee "$OUT/throughput.md" || true ;;
+    profile)
+      for opt in adamw dmuon; do
+        titan "profile_$opt" "$opt" --training.steps 32 --validation.no-enable \
+          --profiling.enable_profiling --profiling.profile_freq 30 \
+          --profiling.save_traces_folder profile_traces
+      done ;;
+    loss)
+      pids=()
+      for seed in $SEEDS; do
+        for spec in adamw:5e-4 dmuon:2e-3; do
+          opt=${spec%%:*} lr=${spec##*:}
+          titan "${opt}_s$seed" "$opt" --optimizer.lr "$lr" --debug.seed "$seed" \
+            --training.dataset "pystdlib_shuffled_$seed" --validation.freq "${VAL_FREQ:-100}" &
+          pids+=($!)
+        done
+      done
+      status=0
+      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+      [[ $status -eq 0 ]] || exit 1
+      (cd scripts/analysis && python3 time_to_loss.py "$OUT" --json "$OUT/time_to_loss.json") \
+        | tee "$OUT/time_to_loss.md" || true ;;
+  esac
+done
