@@ -23,10 +23,11 @@ from dmuon_titan.plan.cost import NS_ALGORITHMS, orthogonalize_flops
 from dmuon_titan.plan.partition import SHARDED, stack_pieces
 
 MODELS = {
-    # name: (n_layers, dim, kv_dim, ffn_hidden): Llama 3.2 1B's shapes, torchtitan's 8B/70B
+    # name: (n_layers, dim, kv_dim, ffn_hidden): Llama 3.2 1B's shapes, torchtitan's 8B/70B/405B
     "llama3-1B": (16, 2048, 512, 8192),
     "llama3-8B": (32, 4096, 1024, 14336),
     "llama3-70B": (80, 8192, 1024, 28672),
+    "llama3-405B": (126, 16384, 1024, 53248),
 }
 #: name: (dense layers, MoE layers, dim, experts, expert hidden, dense ffn hidden, attention
 #: shapes): DeepSeek-V3 (MLA projections, 3 dense + 58 MoE layers of 256 experts and one

@@ -34,10 +34,17 @@ def _check(weights, reference, tol=1e-10):
     [
         (4, PipelineConfig(pp=2, schedule="1F1B")),
         (4, PipelineConfig(pp=2, schedule="Interleaved1F1B", stages_per_rank=2)),
+        (4, PipelineConfig(pp=2, schedule="LoopedBFS", stages_per_rank=2)),
         (3, PipelineConfig(pp=3, schedule="GPipe", n_layers=3, micro_batches=2)),
         (3, PipelineConfig(pp=1, schedule="1F1B", micro_batches=2)),
     ],
-    ids=["pp2xdp2-1F1B", "pp2xdp2-Interleaved1F1B", "pp3-GPipe", "pp1xdp3-1F1B"],
+    ids=[
+        "pp2xdp2-1F1B",
+        "pp2xdp2-Interleaved1F1B",
+        "pp2xdp2-LoopedBFS",
+        "pp3-GPipe",
+        "pp1xdp3-1F1B",
+    ],
 )
 def test_pipeline_equals_single_process_reference(world, pcfg):
     """5 steps with microbatches: the weights of every stage equal the reference's within
