@@ -29,6 +29,14 @@ from .timing import PhaseTimer
 #: symmetric kernel ("gram"/"auto") both measured the same and those stay batched (docs/benchmarks.md, "Measurements behind code choices").
 PLAIN_NS_UNBATCHED_NUMEL = 4096 * 4096
 
+#: Same-shape matrices of at most this many elements take their momentum and update passes
+#: as foreach ops over the whole chunk (a few launches) rather than one fused kernel each: at
+#: this size a kernel's launch (Triton's launcher: ~50 µs of host time) outweighs its pass,
+#: and a one-GPU step of a small model is host-bound (docs/benchmarks.md, "Small scale").
+GROUPED_PASS_NUMEL = 1 << 22
+#: elements per foreach group of those passes (bounds their full-precision temporaries)
+GROUPED_PASS_SLICE_NUMEL = 1 << 24
+
 
 class Muon(torch.optim.Optimizer):
     """DMuon: ``torch.optim.Muon`` semantics on dedicated matrices, AdamW on the rest.
@@ -224,6 +232,10 @@ class Muon(torch.optim.Optimizer):
         todo = [p for p in todo if p.ndim == 2]
         for chunk in ns_chunks(todo, self.ns_batch_numel, self.ns_unbatched_numel):
             orthos = self._orthogonalize(chunk, group, coefficients)
+            if self._grouped(chunk, group):
+                self._grouped_update(chunk, orthos, group)
+                del orthos
+                continue
             for p, ortho in zip(chunk, orthos, strict=True):
                 target, ortho = self._scatter(p, ortho)
                 update.apply_update(
@@ -271,12 +283,62 @@ class Muon(torch.optim.Optimizer):
             dtype=group["ns_dtype"],
             device=chunk[0].device,
         )
-        for i, p in enumerate(chunk):
-            self._write_direction(p, group, batch if single else batch[i])
+        if self._grouped(chunk, group):
+            self._grouped_directions(chunk, group, batch)
+        else:
+            for i, p in enumerate(chunk):
+                self._write_direction(p, group, batch if single else batch[i])
         self.timer.start("ns")
         orthos = newton_schulz.orthogonalize(batch, *args, overwrite_input=True)
         self.timer.stop("ns")
         return [orthos] if single else orthos.unbind(0)
+
+    def _grouped(self, chunk: list[torch.Tensor], group: dict[str, Any]) -> bool:
+        """Whether ``chunk``'s momentum and update passes run as foreach ops: several small
+        whole matrices (the owner's masters, not shards), and not float16 NS (whose
+        directions are normalized first, one by one)."""
+        return (
+            len(chunk) > 1
+            and chunk[0].numel() <= GROUPED_PASS_NUMEL
+            and group["ns_dtype"] != torch.float16
+            and type(self)._scatter is Muon._scatter
+            and all(type(p.grad) is torch.Tensor and type(p.data) is torch.Tensor for p in chunk)
+        )
+
+    def _slices(self, chunk: list[torch.Tensor]):
+        """``range``s of ``chunk`` of at most ``GROUPED_PASS_SLICE_NUMEL`` elements each."""
+        per = max(1, GROUPED_PASS_SLICE_NUMEL // chunk[0].numel())
+        return [range(i, min(i + per, len(chunk))) for i in range(0, len(chunk), per)]
+
+    def _grouped_directions(
+        self, chunk: list[torch.Tensor], group: dict[str, Any], batch: torch.Tensor
+    ) -> None:
+        """:meth:`_write_direction` for every matrix of ``chunk`` into ``batch[i]``, as foreach
+        ops: the same lerps in full precision, rounded once into the NS dtype."""
+        momentum = group["momentum"]
+        for part in self._slices(chunk):
+            grads = [chunk[i].grad for i in part]
+            buffers = [self._momentum_buffer(chunk[i]) for i in part]
+            torch._foreach_lerp_(buffers, grads, 1 - momentum)
+            directions = (
+                torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+            )
+            torch._foreach_copy_([batch[i] for i in part], directions)
+
+    def _grouped_update(
+        self, chunk: list[torch.Tensor], orthos: Sequence[torch.Tensor], group: dict[str, Any]
+    ) -> None:
+        """:func:`update.apply_update` for every matrix of ``chunk`` as foreach ops:
+        ``param · (1 − lr·wd) − adjusted_lr · ortho``, ortho in full precision first."""
+        lr, decay = group["lr"], 1 - group["lr"] * group["weight_decay"]
+        step = update.adjusted_lr(lr, group["adjust_lr_fn"], chunk[0].shape)
+        for part in self._slices(chunk):
+            params = [chunk[i].data for i in part]
+            steps = [
+                orthos[i].to(params[0].dtype, memory_format=torch.contiguous_format) for i in part
+            ]
+            torch._foreach_mul_(params, decay)
+            torch._foreach_add_(params, steps, alpha=-step)
 
     def _write_direction(self, p: torch.Tensor, group: dict[str, Any], out: torch.Tensor) -> None:
         """Momentum step for ``p``; its whole direction, cast, into ``out`` (one fused pass on
