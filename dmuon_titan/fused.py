@@ -103,6 +103,32 @@ def decay_and_update_(param: Tensor, update: Tensor, decay: float, step: float) 
     param.add_(update, alpha=-step)
 
 
+def momentum_directions_into(
+    grads: list[Tensor],
+    buffers: list[Tensor],
+    outs: list[Tensor],
+    momentum: float,
+    nesterov: bool,
+) -> None:
+    """:func:`momentum_direction_into` for lists of tensors as foreach ops: a few launches
+    for all of them (the eager path's lerps, in full precision, rounded once by the copy
+    into ``outs``). For many small matrices, whose one launch each costs more host time
+    than the pass."""
+    torch._foreach_lerp_(buffers, grads, 1 - momentum)
+    directions = torch._foreach_lerp(grads, buffers, momentum) if nesterov else buffers
+    torch._foreach_copy_(outs, directions)
+
+
+def decay_and_update_many_(
+    params: list[Tensor], updates: list[Tensor], decay: float, step: float
+) -> None:
+    """:func:`decay_and_update_` for lists of same-dtype parameters as foreach ops, each
+    update brought to its parameter's dtype and layout first."""
+    steps = [u.to(params[0].dtype, memory_format=torch.contiguous_format) for u in updates]
+    torch._foreach_mul_(params, decay)
+    torch._foreach_add_(params, steps, alpha=-step)
+
+
 def divide_(matrices: Tensor, norms: Tensor) -> Tensor:
     """``matrices ← matrices / norms`` in place: one matrix (``norms`` 0-d or 1×1) or a 3-D
     batch (``norms`` of shape (B, 1, 1)), as ``Tensor.div_`` rounds it (fp32 division,

@@ -231,8 +231,9 @@ class Muon(torch.optim.Optimizer):
                 self._step_stack(p, group, coefficients)
         todo = [p for p in todo if p.ndim == 2]
         for chunk in ns_chunks(todo, self.ns_batch_numel, self.ns_unbatched_numel):
-            orthos = self._orthogonalize(chunk, group, coefficients)
-            if self._grouped(chunk, group):
+            grouped = self._grouped(chunk, group)
+            orthos = self._orthogonalize(chunk, group, coefficients, grouped)
+            if grouped:
                 self._grouped_update(chunk, orthos, group)
                 del orthos
                 continue
@@ -270,7 +271,7 @@ class Muon(torch.optim.Optimizer):
             )
 
     def _orthogonalize(
-        self, chunk: list[torch.Tensor], group: dict[str, Any], coefficients
+        self, chunk: list[torch.Tensor], group: dict[str, Any], coefficients, grouped: bool
     ) -> Sequence[torch.Tensor]:
         """Momentum step + NS of one chunk of same-shape matrices. The directions are written
         straight into one NS-dtype buffer (the chunk's batch, or a single matrix), which NS
@@ -283,7 +284,7 @@ class Muon(torch.optim.Optimizer):
             dtype=group["ns_dtype"],
             device=chunk[0].device,
         )
-        if self._grouped(chunk, group):
+        if grouped:
             self._grouped_directions(chunk, group, batch)
         else:
             for i, p in enumerate(chunk):
@@ -315,30 +316,27 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         """:meth:`_write_direction` for every matrix of ``chunk`` into ``batch[i]``, as foreach
         ops: the same lerps in full precision, rounded once into the NS dtype."""
-        momentum = group["momentum"]
         for part in self._slices(chunk):
-            grads = [chunk[i].grad for i in part]
-            buffers = [self._momentum_buffer(chunk[i]) for i in part]
-            torch._foreach_lerp_(buffers, grads, 1 - momentum)
-            directions = (
-                torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+            fused.momentum_directions_into(
+                [chunk[i].grad for i in part],
+                [self._momentum_buffer(chunk[i]) for i in part],
+                [batch[i] for i in part],
+                group["momentum"],
+                group["nesterov"],
             )
-            torch._foreach_copy_([batch[i] for i in part], directions)
 
     def _grouped_update(
         self, chunk: list[torch.Tensor], orthos: Sequence[torch.Tensor], group: dict[str, Any]
     ) -> None:
-        """:func:`update.apply_update` for every matrix of ``chunk`` as foreach ops:
-        ``param · (1 − lr·wd) − adjusted_lr · ortho``, ortho in full precision first."""
-        lr, decay = group["lr"], 1 - group["lr"] * group["weight_decay"]
-        step = update.adjusted_lr(lr, group["adjust_lr_fn"], chunk[0].shape)
+        """:func:`update.apply_update` for every matrix of ``chunk`` as foreach ops."""
         for part in self._slices(chunk):
-            params = [chunk[i].data for i in part]
-            steps = [
-                orthos[i].to(params[0].dtype, memory_format=torch.contiguous_format) for i in part
-            ]
-            torch._foreach_mul_(params, decay)
-            torch._foreach_add_(params, steps, alpha=-step)
+            update.apply_updates(
+                [chunk[i].data for i in part],
+                [orthos[i] for i in part],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                adjust_lr_fn=group["adjust_lr_fn"],
+            )
 
     def _write_direction(self, p: torch.Tensor, group: dict[str, Any], out: torch.Tensor) -> None:
         """Momentum step for ``p``; its whole direction, cast, into ``out`` (one fused pass on

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .fused import decay_and_update_, momentum_direction_into
+from .fused import decay_and_update_, decay_and_update_many_, momentum_direction_into
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -58,3 +58,16 @@ def apply_update(
     """
     step = adjusted_lr(lr, adjust_lr_fn, param.shape if shape is None else shape)
     decay_and_update_(param, ortho, 1 - lr * weight_decay, step)
+
+
+def apply_updates(
+    params: list[Tensor],
+    orthos: list[Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    adjust_lr_fn: str | None,
+) -> None:
+    """:func:`apply_update` for same-shape whole matrices at once (foreach passes)."""
+    step = adjusted_lr(lr, adjust_lr_fn, params[0].shape)
+    decay_and_update_many_(params, orthos, 1 - lr * weight_decay, step)

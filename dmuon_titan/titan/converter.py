@@ -17,7 +17,6 @@ from torchtitan.tools.logging import logger
 from ..api import check_pipeline_schedule, clean_fqn, dedicate_params, summarize_plan
 from ..options import options_kwargs
 from ..plan.cost import orthogonalize_flops
-from ..runtime.state import STATE_ATTR
 from .config import ConfigError
 from .selection import describe_selection, muon_predicate
 
@@ -213,7 +212,7 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
     if stage:  # a stage keeps its weights for all the step's microbatches (prepare_pipeline_stage)
         options["reshard_after_forward"] = False
     try:
-        dedicate_params(
+        dedicated = dedicate_params(
             model,
             shard_mesh,
             predicate,
@@ -223,7 +222,7 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
             allow_empty=bool(stage),
             **options,
         )
-        if getattr(model, STATE_ATTR, None) is None:
+        if dedicated is None:  # (a stage without Muon matrices: nothing selected)
             logger.info(f"DMuon: {stage} holds no Muon matrix: AdamW steps all its parameters")
             return
     except ValueError as err:
