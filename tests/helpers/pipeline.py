@@ -136,10 +136,8 @@ def train_pipelined(rank: int, world_size: int, cfg, pcfg: PipelineConfig) -> di
             opt.step()
             opt.zero_grad()
     weights = {}
-    for part in parts:
-        state = getattr(part, "_dmuon_state", None)
-        full = dmuon.get_model_state_dict(part) if state is not None else _full(part)
-        weights.update(full)
+    for part in parts:  # (with DMuon state or without: FSDP2's DTensors gathered alike)
+        weights.update(dmuon.get_model_state_dict(part))
     logs, buckets = {}, {}
     for index, part in zip(mine, parts, strict=True):
         state = getattr(part, "_dmuon_state", None)
@@ -154,10 +152,3 @@ def train_pipelined(rank: int, world_size: int, cfg, pcfg: PipelineConfig) -> di
         "direct": [bool(getattr(p, "_dmuon_state", None) and p._dmuon_state.direct) for p in parts],
         "norms": norms,
     }
-
-
-def _full(part: nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in part.state_dict().items():
-        out[dmuon.api.clean_fqn(k)] = v.full_tensor() if hasattr(v, "full_tensor") else v
-    return out

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from .test_titan import (
-    REPO,
     checkpointed_args,
+    from_seed,
+    optimizer_tensors,
     read_checkpoint,
     run_ok,
+    run_probe,
     seed_checkpoint,
     tb_losses,
     tb_scalars,
@@ -37,16 +39,10 @@ def test_float8_linears_with_dmuon_equal_the_naive_path(tokenizer_dir, tmp_path)
                 tokenizer_dir,
                 dump,
                 *FLOAT8,
-                "--training.steps",
-                "6",
                 "--dmuon.mode",
                 mode,
                 "--validation.no-enable",
-                "--checkpoint.enable",
-                "--checkpoint.interval",
-                "1000",
-                "--checkpoint.initial_load_path",
-                seed,
+                *from_seed(seed, 6),
             ),
         )
         assert "Swapped to Float8Linear" in out
@@ -101,18 +97,7 @@ def test_pipeline_parallel_equals_one_stage_and_the_naive_path(tokenizer_dir, tm
     are scaled exactly like FSDP2's of the same run. Clipping at max_norm 0.1, active at
     every step with and without PP (asserted), makes the two comparable."""
     seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
-    common = [
-        "--validation.no-enable",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "1000",
-        "--checkpoint.initial_load_path",
-        seed,
-        "--training.steps",
-        "5",
-        "--training.max_norm",
-        "0.1",
-    ]
+    common = ["--validation.no-enable", *from_seed(seed, 5), "--training.max_norm", "0.1"]
     runs = {
         "pp1": (1, []),
         "pp2": (2, PP2),
@@ -169,24 +154,16 @@ def test_pipeline_parallel_resumes_and_loads_at_other_degrees(tokenizer_dir, tmp
     assert "layers.5.feed_forward.w2.weight" in model_keys and len(momentum) == 6 * 7
     reshard = ["--checkpoint.exclude_from_loading", "dataloader"]
     for name, (n, extra) in {"pp2xdp1": (2, PP2), "pp1xdp2": (2, []), "pp1": (1, [])}.items():
-        probe_out = tmp_path / f"probe-{name}.pt"
-        run_ok(
+        probe = run_probe(
             n,
-            str(probe_out),
+            tmp_path / f"probe-{name}.pt",
             *toy_args(tokenizer_dir, a, *common, *extra, "--checkpoint.load_step", "3", *reshard),
-            script=str(REPO / "tests" / "titan" / "titan_probe.py"),
         )
-        probe = torch.load(probe_out, weights_only=False)
         assert probe["step"] == 3, name
         assert sorted(probe["model"]) == sorted(model_keys), name
         for k in model_keys:
             assert torch.equal(probe["model"][k], saved[k]), (name, k)
-        loaded = [
-            (fqn, key, value)
-            for fqn, entry in probe["optim"]["state"].items()
-            for key, value in entry.items()
-            if isinstance(value, torch.Tensor) and value.ndim > 0
-        ]
+        loaded = optimizer_tensors(probe)
         assert sum(key == "momentum_buffer" for _, key, _ in loaded) == 6 * 7, name
         for fqn, key, value in loaded:
             assert torch.equal(value, saved["optimizer"][f"state.{fqn}.{key}"]), (name, fqn, key)
@@ -218,13 +195,7 @@ def test_pipeline_parallel_with_hsdp_and_with_expert_parallelism(tokenizer_dir, 
         common = [
             *model_args,
             "--validation.no-enable",
-            "--checkpoint.enable",
-            "--checkpoint.interval",
-            "1000",
-            "--checkpoint.initial_load_path",
-            seed,
-            "--training.steps",
-            "4",
+            *from_seed(seed, 4),
             "--training.max_norm",
             "0.1",
         ]

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from .test_titan import (
-    REPO,
     checkpointed_args,
     model_size,
+    optimizer_tensors,
     read_checkpoint,
     run_ok,
+    run_probe,
     tb_losses,
     toy_args,
 )
@@ -179,23 +180,18 @@ def test_moe_resumes_bit_exactly_and_loads_at_another_expert_degree(tokenizer_di
             assert torch.equal(v, cb["optimizer"][k]), k
 
     saved = read_checkpoint(b / "checkpoint" / "step-3", tmp_path)
-    probe_out = tmp_path / "probe.pt"
-    run_ok(
+    probe = run_probe(
         2,
-        str(probe_out),
+        tmp_path / "probe.pt",
         *toy_args(tokenizer_dir, b, *common, "--checkpoint.load_step", "3"),
-        script=str(REPO / "tests" / "titan" / "titan_probe.py"),
     )
-    probe = torch.load(probe_out, weights_only=False)
     assert probe["step"] == 3
     for k, v in probe["model"].items():
         assert torch.equal(v, saved[k]), k
     moments = 0
-    for fqn, entry in probe["optim"]["state"].items():
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.ndim > 0:
-                assert torch.equal(value, saved["optimizer"][f"state.{fqn}.{key}"]), (fqn, key)
-                moments += key == "momentum_buffer" and ".experts." in fqn
+    for fqn, key, value in optimizer_tensors(probe):
+        assert torch.equal(value, saved["optimizer"][f"state.{fqn}.{key}"]), (fqn, key)
+        moments += key == "momentum_buffer" and ".experts." in fqn
     assert moments == 15  # 5 MoE blocks x 3 stacks
 
 

@@ -83,6 +83,37 @@ def checkpointed_args(total_steps: int, interval: int, validation_freq: int) -> 
     ]
 
 
+def from_seed(seed: str, steps: int) -> list[str]:
+    """Overrides for a run of ``steps`` steps that starts from the seed checkpoint ``seed``
+    (checkpointing on, so that it can load one, but no interval save within the run)."""
+    return [
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1000",
+        "--checkpoint.initial_load_path",
+        seed,
+        "--training.steps",
+        str(steps),
+    ]
+
+
+def run_probe(nproc: int, out: Path, *args: str) -> dict:
+    """``tests/titan/titan_probe.py`` on ``nproc`` ranks with torchtitan ``args``: the step
+    and the full model and optimizer state after torchtitan's checkpoint load (or init)."""
+    run_ok(nproc, str(out), *args, script=str(REPO / "tests" / "titan" / "titan_probe.py"))
+    return torch.load(out, weights_only=False)
+
+
+def optimizer_tensors(probe: dict) -> list[tuple[str, str, torch.Tensor]]:
+    """(fqn, state key, value) of every non-scalar optimizer state tensor a probe holds."""
+    return [
+        (fqn, key, value)
+        for fqn, entry in probe["optim"]["state"].items()
+        for key, value in entry.items()
+        if isinstance(value, torch.Tensor) and value.ndim > 0
+    ]
+
+
 def tb_losses(dump: Path) -> dict[int, float]:
     return tb_scalars(dump, "loss_metrics/global_avg_loss")
 
@@ -180,25 +211,16 @@ def test_toy_dmuon_trains_checkpoints_and_resumes(tokenizer_dir, tmp_path):
     # torchtitan's data loader cannot change its data-parallel degree; everything else can.
     reshard = ["--checkpoint.exclude_from_loading", "dataloader"]
     for nproc in (1, 3):
-        probe_out = tmp_path / f"probe{nproc}.pt"
-        run_ok(
+        probe = run_probe(
             nproc,
-            str(probe_out),
+            tmp_path / f"probe{nproc}.pt",
             *toy_args(tokenizer_dir, b, *common, "--checkpoint.load_step", "10", *reshard),
-            script=str(REPO / "tests" / "titan" / "titan_probe.py"),
         )
-        probe = torch.load(probe_out, weights_only=False)
         assert probe["step"] == 10 and probe["plan"]["world_size"] == nproc
         for k in model_keys:
             assert torch.equal(probe["model"][k], saved[k]), (nproc, k)
-        for fqn, entry in probe["optim"]["state"].items():
-            for name, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.ndim > 0:
-                    assert torch.equal(value, saved["optimizer"][f"state.{fqn}.{name}"]), (
-                        nproc,
-                        fqn,
-                        name,
-                    )
+        for fqn, name, value in optimizer_tensors(probe):
+            assert torch.equal(value, saved["optimizer"][f"state.{fqn}.{name}"]), (nproc, fqn, name)
         assert sum("momentum_buffer" in e for e in probe["optim"]["state"].values()) == 6 * 7
 
     c = tmp_path / "c"
@@ -254,19 +276,13 @@ def test_dmuon_equals_the_naive_path_inside_torchtitan(tokenizer_dir, tmp_path):
             *toy_args(
                 tokenizer_dir,
                 dump,
-                "--training.steps",
-                "10",
                 "--dmuon.mode",
                 mode,
                 "--dmuon.ns_dtype",
                 "float32",
                 "--validation.freq",
                 "100",
-                "--checkpoint.enable",
-                "--checkpoint.interval",
-                "1000",
-                "--checkpoint.initial_load_path",
-                seed,
+                *from_seed(seed, 10),
             ),
         )
         losses[mode] = tb_losses(dump)
@@ -518,14 +534,9 @@ def test_dedicated_matrices_initialize_alike_at_any_world_size(tokenizer_dir, tm
     are the same on 1 and 2 ranks, and no two are equal."""
     weights = {}
     for nproc in (1, 2):
-        probe_out = tmp_path / f"init{nproc}.pt"
-        run_ok(
-            nproc,
-            str(probe_out),
-            *toy_args(tokenizer_dir, tmp_path / f"run{nproc}"),
-            script=str(REPO / "tests" / "titan" / "titan_probe.py"),
+        probe = run_probe(
+            nproc, tmp_path / f"init{nproc}.pt", *toy_args(tokenizer_dir, tmp_path / f"run{nproc}")
         )
-        probe = torch.load(probe_out, weights_only=False)
         assert probe["step"] == 0
         dedicated = {p["fqn"] for p in probe["plan"]["params"]}
         weights[nproc] = {k: v for k, v in probe["model"].items() if k in dedicated}
