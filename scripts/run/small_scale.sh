@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Small-scale measurements on one GPU (torchtitan llama3 170M, configs/llm170m_*.toml, batch
 # 8 x 1024, bf16), written to OUTDIR:
-#   throughput  AdamW and DMuon each run alone, alternating (A D A D), STEPS steps (default
-#               300) with validation every 100 and logs every 10 steps: median training and
+#   throughput  AdamW and DMuon each run alone, alternating (A D A D ...), ROUNDS rounds
+#               (default 2) of STEPS steps (default 300) with validation every 100 and logs every 10 steps: median training and
 #               validation (forward only) tok/s per run, by scripts/analysis/titan_log_summary.py
 #   profile     one profiled step (30) of each, for scripts/analysis/trace_summary.py
 #   loss        time-to-loss: SEEDS (default "1 2 3") x {AdamW at lr 5e-4, DMuon at 2e-3}
@@ -19,6 +19,7 @@ OUT=${1:?usage: scripts/run/small_scale.sh OUTDIR [throughput] [profile] [loss]}
 shift
 PARTS=${*:-throughput profile loss}
 STEPS=${STEPS:-300}
+ROUNDS=${ROUNDS:-2}
 SEEDS=${SEEDS:-1 2 3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -35,15 +36,16 @@ titan() {  # titan NAME OPTIMIZER [overrides...]
 for part in $PARTS; do
   case $part in
     throughput)
-      for round in 1 2; do
+      logs=()
+      for round in $(seq "$ROUNDS"); do
         for opt in adamw dmuon; do
           titan "throughput_${opt}_$round" "$opt" --training.steps "$STEPS" \
             --metrics.log_freq 10 --validation.freq 100 --training.dataset pystdlib_shuffled_1
+          logs+=("$OUT/throughput_${opt}_$round.log")
         done
       done
       (cd scripts/analysis && python3 titan_log_summary.py --seq-len 1024 --batch 8 --skip 20 \
-        "$OUT"/throughput_adamw_1.log "$OUT"/throughput_dmuon_1.log \
-        "$OUT"/throughput_adamw_2.log "$OUT"/throughput_dmuon_2.log) \
+        "${logs[@]}") \
         | tee "$OUT/throughput.md" || true ;;
     profile)
       for opt in adamw dmuon; do
