@@ -29,6 +29,7 @@ from .runtime.hooks import register_boundary_hooks, register_root_hooks, registe
 from .runtime.mesh import MeshInfo, mesh_info
 from .runtime.owned_param import DedicatedParam
 from .runtime.state import STATE_ATTR, DMuonState, get_state
+from .runtime.tensor_parallel import install_tensor_parallel_patch
 
 ParamPredicate = Callable[[str, nn.Parameter], bool]
 ModulePredicate = Callable[[nn.Module], bool]
@@ -57,6 +58,7 @@ def dedicate_params(
     collectives: str = "broadcast",
     expert_mesh: DeviceMesh | None = None,
     allow_empty: bool = False,
+    tp_mesh: DeviceMesh | None = None,
 ) -> dict[str, Any] | None:
     """Give each selected matrix one owner rank and install the hooks that serve it.
 
@@ -107,6 +109,15 @@ def dedicate_params(
             it holds, and for a part without Muon matrices with ``allow_empty=True`` (the
             part then has no DMuon state; its parameters are AdamW's). Then see
             :func:`prepare_pipeline_stage`.
+        tp_mesh: 1-D tensor-parallel mesh, when you will apply torch's tensor parallelism
+            (``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``) after this
+            call. Owners are then balanced over data-parallel × tensor-parallel ranks, so
+            every rank runs Newton–Schulz on about 1/(dp·tp) of the matrices, each on the
+            whole matrix. Every dedicated matrix must then be in the tensor-parallel plan
+            (placed ``Shard(0)`` or ``Shard(1)``, the degree dividing that dim): DMuon reads
+            the placements from ``parallelize_module``, nothing else to pass. Needed here,
+            not discovered later, because the owners (and so what each rank stores) are
+            decided by this call. Expert stacks cannot be combined with it yet.
 
     Returns:
         :func:`summarize_plan` of the result (``None`` when nothing was selected).
@@ -119,12 +130,12 @@ def dedicate_params(
         ns_algorithm=ns_algorithm,
         collectives=collectives,
     )
-    _check_model_and_meshes(model, mesh, replicate_mesh, expert_mesh)
+    _check_model_and_meshes(model, mesh, replicate_mesh, expert_mesh, tp_mesh)
     # Validate → plan → build the runtime → install hooks: every input error comes before the
     # first collective, the check that all ranks computed the same plan.
     selected = _select_params(model, predicate, allow_empty)
     if not selected:  # join the world's group creation, nothing else
-        mesh_info(mesh, replicate_mesh, expert_mesh=expert_mesh)
+        mesh_info(mesh, replicate_mesh, expert_mesh=expert_mesh, tp_mesh=tp_mesh)
         return None
     modules = dict(model.named_modules())
     boundaries = select_boundaries(
@@ -132,11 +143,13 @@ def dedicate_params(
     )
     specs = [ParamSpec(clean_fqn(fqn), tuple(p.shape), boundaries[fqn]) for fqn, p, *_ in selected]
     _check_expert_counts(specs, expert_mesh)
+    tp_size = tp_mesh.size() if tp_mesh is not None else 1
+    _check_tensor_parallel(specs, tp_size)
     shard_size = mesh.size() if mesh is not None else 1
     replicate_size = replicate_mesh.size() if replicate_mesh is not None else 1
     plan = plan_partition(
         specs,
-        shard_size * replicate_size,
+        shard_size * replicate_size * tp_size,
         small_param_numel=small_param_numel,
         ns_algorithm=ns_algorithm,
     )
@@ -146,22 +159,31 @@ def dedicate_params(
         f"reshard_after_forward={reshard_after_forward}",
         *(f"{boundary}={how}" for boundary, how in moved_by.items()),
     )
-    for m in (mesh, replicate_mesh):
+    for m in (mesh, replicate_mesh, tp_mesh):
         if m is not None:
             _check_same_plan_everywhere(fingerprint, m)
     install_fully_shard_patch()  # fully_shard / replicate now skip dedicated parameters
     install_replicate_patch()
+    if tp_mesh is not None:  # parallelize_module records dedicated placements instead
+        install_tensor_parallel_patch()
     stacks = any(spec.stacked for spec in specs)
-    where = mesh_info(mesh, replicate_mesh, grid=stacks, expert_mesh=expert_mesh)
+    where = mesh_info(mesh, replicate_mesh, grid=stacks, expert_mesh=expert_mesh, tp_mesh=tp_mesh)
     state = _build_runtime(model, plan, selected, modules, where, moved_by, options)
     setattr(model, STATE_ATTR, state)
     return summarize_plan(model)
 
 
-def _check_model_and_meshes(model: nn.Module, mesh, replicate_mesh, expert_mesh) -> None:
+def _check_model_and_meshes(
+    model: nn.Module, mesh, replicate_mesh, expert_mesh, tp_mesh=None
+) -> None:
     if hasattr(model, STATE_ATTR):
         raise ValueError("dedicate_params was already applied to this model")
-    meshes = (("mesh", mesh), ("replicate_mesh", replicate_mesh), ("expert_mesh", expert_mesh))
+    meshes = (
+        ("mesh", mesh),
+        ("replicate_mesh", replicate_mesh),
+        ("expert_mesh", expert_mesh),
+        ("tp_mesh", tp_mesh),
+    )
     for name, m in meshes:
         if m is not None and (not isinstance(m, DeviceMesh) or m.ndim != 1):
             raise ValueError(
@@ -279,6 +301,23 @@ def _check_expert_counts(specs: list[ParamSpec], expert_mesh: DeviceMesh | None)
                 f"dedicated expert stack {spec.fqn!r} has {spec.shape[0]} experts, which the "
                 f"expert-parallel degree {degree} (expert_mesh) does not divide: use a degree "
                 "that divides the expert count"
+            )
+
+
+def _check_tensor_parallel(specs: list[ParamSpec], tp_size: int) -> None:
+    """Tensor parallelism serves 2-D matrices, each sharded along a dim the degree divides."""
+    if tp_size == 1:
+        return
+    for spec in specs:
+        if spec.stacked:
+            raise ValueError(
+                f"dedicated expert stack {spec.fqn!r} with tp_mesh: expert stacks cannot be "
+                "combined with tensor parallelism yet; exclude them or drop tp_mesh"
+            )
+        if all(dim % tp_size for dim in spec.shape):
+            raise ValueError(
+                f"dedicated parameter {spec.fqn!r} of shape {spec.shape}: the tensor-parallel "
+                f"degree {tp_size} divides neither dim; exclude it or change the degree"
             )
 
 
@@ -475,6 +514,7 @@ def summarize_plan(
         "world_size": mesh.world_size,
         "shard_size": mesh.shard_size,
         "replicate_size": mesh.replicate_size,
+        "tp_size": mesh.tp_size,
         "rank": mesh.slot,
         "reshard_after_forward": state.reshard_after_forward,
         "num_params": len(state.params),
@@ -507,9 +547,14 @@ def summarize_plan(
 def _bytes_per_step(
     state: DMuonState, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
 ) -> dict[str, float]:
-    """Bytes each collective phase moves per rank and step, averaged over the data-parallel
-    world (the convention of :class:`~dmuon_titan.runtime.collectives.CommStats`)."""
-    shard, replicas = state.mesh.shard_size, state.mesh.replicate_size
+    """Bytes each collective phase moves per rank and step, averaged over every rank (the
+    convention of :class:`~dmuon_titan.runtime.collectives.CommStats`).
+
+    With tensor parallelism (degree T) every rank moves its tp shard of each matrix (L =
+    numel / T elements) in the data-parallel phases, and the owners' rows exchange the rest:
+    ``tp_gather`` (gradient shards to the owner) and ``tp_scatter`` (the updated master's
+    shards back) each carry (T - 1) · L elements per matrix, over R · S · T ranks."""
+    shard, replicas, tp = state.mesh.shard_size, state.mesh.replicate_size, state.mesh.tp_size
 
     def param_size(p) -> int:
         return (param_dtype or p.param_dtype).itemsize
@@ -531,13 +576,16 @@ def _bytes_per_step(
             stage1_param_bytes += shard * g.slot_numel * param_size(p0)
             stage1_reduce_bytes += (shard * g.reduce_slot_numel - len(g.params)) * reduce_size(p0)
         else:
-            stage1_param_bytes += sum(p.numel * param_size(p) for b in g.buckets for p in b.params)
+            stage1_param_bytes += sum(
+                p.unsharded_numel * param_size(p) for b in g.buckets for p in b.params
+            )
             stage1_reduce_bytes += sum(
-                p.numel * reduce_size(p) for b in g.buckets for p in b.params
+                p.unsharded_numel * reduce_size(p) for b in g.buckets for p in b.params
             )
     matrices = [p for p in state.params if not p.stacked]
-    reduce_bytes = sum(p.numel * reduce_size(p) for p in matrices)
-    master_bytes = sum(p.numel * p.orig_dtype.itemsize for p in matrices)
+    reduce_bytes = sum(p.unsharded_numel * reduce_size(p) for p in matrices)
+    master_bytes = sum(p.unsharded_numel * p.orig_dtype.itemsize for p in matrices)
+    world = shard * replicas * tp
     in_shard = (shard - 1) / shard
     across = (replicas - 1) / (replicas * shard)
     forward = stage1_param_bytes * in_shard + grid_param_bytes
@@ -547,6 +595,8 @@ def _bytes_per_step(
         "reduce": stage1_reduce_bytes * in_shard + grid_reduce_bytes,
         "reduce_replicate": reduce_bytes * across,
         "replicate_broadcast": master_bytes * across,
+        "tp_gather": (tp - 1) * reduce_bytes / world,
+        "tp_scatter": (tp - 1) * master_bytes / world,
     }
     per_step["total"] = sum(per_step.values())
     return per_step

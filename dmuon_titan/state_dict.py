@@ -58,6 +58,8 @@ def _broadcast_from_owner(
     """``value`` on every rank, as a CPU tensor. It is on the global owner, and on every rank
     of the owner's shard column when ``column_has_it`` (weights, after a drain)."""
     comm = state.comm
+    if state.mesh.tp_size > 1:  # only the owner has it whole: its row, column, replicas
+        return _broadcast_from_tp_owner(state, p, value)
     have = p.is_owner or (column_has_it and p.holds_weight)
     if have:
         buf = value.detach().to(state.device).contiguous()
@@ -66,6 +68,23 @@ def _broadcast_from_owner(
     if not column_has_it and p.holds_weight:  # the owner's column peers first (replicas)
         comm.broadcast(buf, p.owner_replica, "state_dict", group="replicate").wait()
     comm.broadcast(buf, p.owner_shard, "state_dict", group="unshard").wait()
+    return _cpu_copy(buf)
+
+
+def _broadcast_from_tp_owner(state: DMuonState, p: DedicatedParam, value: torch.Tensor | None):
+    """``value`` (whole, on the owner) on every rank, as a CPU tensor, under tensor
+    parallelism: from the owner over its row's tp group, then over the shard groups of its
+    replica, then across replicas (each rank joins the steps on its path)."""
+    comm, mesh = state.comm, state.mesh
+    if p.is_owner:
+        buf = value.detach().to(state.device).contiguous()
+    else:
+        buf = torch.empty(p.shape, dtype=p.orig_dtype, device=state.device)
+    if p.in_owner_row:
+        comm.broadcast(buf, p.owner_tp_rank, "state_dict", group="tp").wait()
+    if mesh.replicate_rank == p.owner_replica:
+        comm.broadcast(buf, p.owner_shard, "state_dict", group="unshard").wait()
+    comm.broadcast(buf, p.owner_replica, "state_dict", group="replicate").wait()
     return _cpu_copy(buf)
 
 
@@ -227,8 +246,8 @@ def set_model_state_dict(
     state = _state(model)
     if state is not None:
         # The full form reached every replica's column rank; the owner-only form only the
-        # owners, who now send it to their replicas.
-        if full:
+        # owners, who now send it to their replicas (and with TP to their tp-shard copies).
+        if full and state.mesh.tp_size == 1:
             state.mark_replicas_synced()
         else:
             state.sync_replicas()

@@ -36,16 +36,26 @@ class Segment:
     """The part of a reduce buffer bound for one owner replica: ``offset``, then the
     gradients of ``params`` (shaped ``shapes``), then one presence flag each.
 
-    ``shapes``: the whole matrices (a bucket), or the owner's piece of a stack."""
+    ``shapes``: the owner's piece of a stack; ``None`` for a bucket: its parameters'
+    full-size (with tensor parallelism: tp-shard) shapes, known once the parallelism placed
+    them."""
 
     replica: int
     params: tuple[DedicatedParam, ...]
     offset: int
-    shapes: tuple[torch.Size, ...]
+    piece_shapes: tuple[torch.Size, ...] | None = None
+
+    @property
+    def shapes(self) -> tuple[torch.Size, ...]:
+        if self.piece_shapes is not None:
+            return self.piece_shapes
+        return tuple(p.unsharded_shape for p in self.params)
 
     @property
     def grads_numel(self) -> int:
-        return sum(shape.numel() for shape in self.shapes)
+        if self.piece_shapes is not None:
+            return sum(shape.numel() for shape in self.piece_shapes)
+        return sum(p.unsharded_numel for p in self.params)
 
     @property
     def numel(self) -> int:
@@ -69,7 +79,9 @@ class Segment:
 
     @property
     def owned_here(self) -> bool:
-        return self.params[0].is_owner
+        """Its reduced gradients end on this rank: the owner's (with tensor parallelism its
+        row's tp shards, gathered on the owner afterwards)."""
+        return self.params[0].in_owner_row
 
 
 class OwnerBucket:
@@ -78,13 +90,14 @@ class OwnerBucket:
     def __init__(self, owner_shard: int, params: list[DedicatedParam]) -> None:
         self.owner_shard = owner_shard
         self.params = sorted(params, key=lambda p: (p.owner_replica, p.index))
-        self.numel = sum(p.numel for p in self.params)
-        self.holds_weight = self.params[0].holds_weight
+        self.numel = sum(p.unsharded_numel for p in self.params)
+        #: this rank is the bucket's stage-1 source (its shard column)
+        self.holds_source = self.params[0].holds_source
         self.segments: list[Segment] = []
         offset = 0
         for replica in sorted({p.owner_replica for p in self.params}):
             members = tuple(p for p in self.params if p.owner_replica == replica)
-            self.segments.append(Segment(replica, members, offset, tuple(p.shape for p in members)))
+            self.segments.append(Segment(replica, members, offset))
             offset += self.segments[-1].numel
         #: elements of the bucket's reduce buffer: the gradients plus one flag per parameter
         self.reduce_numel = offset
@@ -102,16 +115,18 @@ class OwnerBucket:
         self.buffer = buffer
         offset = 0
         for p in self.params:
-            p.make_unsharded(buffer[offset : offset + p.numel])
-            offset += p.numel
+            p.make_unsharded(buffer[offset : offset + p.unsharded_numel])
+            offset += p.unsharded_numel
 
     @torch.no_grad()
     def fill_from_owned(self) -> None:
-        """Column ranks: copy (and cast) the master weights into the broadcast buffer."""
+        """Column ranks: copy (and cast) the master weights (with tensor parallelism their
+        shard copies) into the broadcast buffer."""
         offset = 0
         for p in self.params:
-            self.buffer[offset : offset + p.numel].copy_(p.owned.reshape(-1))
-            offset += p.numel
+            view = self.buffer[offset : offset + p.unsharded_numel]
+            view.view(p.unsharded_shape).copy_(p.source)
+            offset += p.unsharded_numel
 
     @torch.no_grad()
     def pack_grads(self, flat: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,6 +146,8 @@ class OwnerBucket:
             flags.zero_()
             for i, (p, view) in enumerate(zip(segment.params, segment.grads(data), strict=True)):
                 grad = p.unsharded.grad
+                if grad is not None and hasattr(grad, "to_local"):  # tensor parallelism's
+                    grad = grad.to_local()
                 # Known here, on the host: if the owner itself had a gradient, the flags
                 # need not be read (see finalize).
                 p.packed_local_grad = grad is not None
@@ -179,10 +196,12 @@ class PendingReduce:
 
 
 @torch.no_grad()
-def finalize(pending: list[PendingReduce], divide_factor: float) -> int:
+def finalize(pending: list[PendingReduce], divide_factor: float, tp_exchange=None) -> int:
     """Wait for ``pending`` (issuing what was left for later first, in order); global owners
     turn their segments into ``owned.grad``. Returns the number of host synchronizations
-    (0 or 1).
+    (0 or 1). With tensor parallelism (``tp_exchange``, a
+    :class:`~dmuon_titan.runtime.tensor_parallel.TensorParallelExchange`) the segments are
+    the row's tp shards, gathered on the owners first.
 
     A matrix gets ``grad`` if any rank produced a gradient for it, else keeps ``None``
     (skipped by the step, as torch.optim does). The owner knows on the host whether it had
@@ -205,14 +224,25 @@ def finalize(pending: list[PendingReduce], divide_factor: float) -> int:
         else iter(())
     )
     unknown_ids = {id(item) for item in unknown}
+    present: dict[int, bool] = {}
+    grads: dict[int, torch.Tensor] = {}
+    received: dict[int, DedicatedParam] = {}
     for item in owned:
         read = id(item) in unknown_ids
         for p, grad in zip(item.segment.params, item.segment.grads(item.data), strict=True):
             flag = next(flags) if read else None
-            if p.packed_local_grad or (flag is not None and flag > 0):
-                grad = grad if grad.dtype == p.orig_dtype else grad.to(p.orig_dtype)
-                if p.owned.grad is None:
-                    p.owned.grad = grad
-                else:
-                    p.owned.grad.add_(grad)
+            present[p.index] = p.packed_local_grad or (flag is not None and flag > 0)
+            grads[p.index] = grad
+            received[p.index] = p
+    if tp_exchange is not None:  # (the tp ranks of a row agree on presence: one forward)
+        grads = tp_exchange.gather_grads(grads)
+    for index, grad in grads.items():
+        p = received[index]
+        if not (p.is_owner and present[index]):
+            continue
+        grad = grad if grad.dtype == p.orig_dtype else grad.to(p.orig_dtype)
+        if p.owned.grad is None:
+            p.owned.grad = grad
+        else:
+            p.owned.grad.add_(grad)
     return int(bool(unknown))

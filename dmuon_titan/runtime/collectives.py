@@ -79,6 +79,13 @@ class CommStats:
         self.moved_bytes[phase] += nbytes * (group_size - 1) / group_size
         self.ops[phase] += ops
 
+    def record_moved(self, phase: str, nbytes: int, moved: int, ops: int = 1) -> None:
+        """A collective whose moved bytes are known exactly (an all-to-all: what this rank
+        sends to the others)."""
+        self.payload_bytes[phase] += nbytes
+        self.moved_bytes[phase] += moved
+        self.ops[phase] += ops
+
     def moved_bytes_per_rank(self, phase: str | None = None) -> float:
         if phase is None:
             return sum(self.moved_bytes.values())
@@ -115,6 +122,7 @@ class Collectives:
                 "unshard": torch.cuda.Stream(device=self.device, priority=-1),
                 "reduce": torch.cuda.Stream(device=self.device, priority=-1),
                 "replicate": torch.cuda.Stream(device=self.device, priority=-1),
+                "tp": torch.cuda.Stream(device=self.device, priority=-1),
             }
 
     def _issued(self, group: str, op: str, phase: str, numel: int, what: str) -> str:
@@ -231,6 +239,39 @@ class Collectives:
         )
         return Pending(work=work, tensor=(buffer, out), what=what)
 
+    def all_to_all(
+        self,
+        out: Tensor,
+        tensor: Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        phase: str,
+        group: str = "tp",
+        what: str = "",
+    ) -> Pending:
+        """``tensor``'s ``in_splits[k]`` elements (in rank order) to rank ``k`` of ``group``;
+        ``out`` receives ``out_splits[k]`` elements from each rank ``k``, in rank order. On
+        its own stream (the tensor-parallel exchange of owners and their rows)."""
+        pg, n = self.groups[group], self.mesh.size(group)
+        size = tensor.element_size()
+        own = in_splits[self.mesh.rank(group)]
+        self.stats.record_moved(phase, tensor.numel() * size, (tensor.numel() - own) * size)
+        if n == 1:
+            out.copy_(tensor)
+            return Pending()
+        what = self._issued(group, "all_to_all", phase, tensor.numel(), what)
+
+        def issue(async_op: bool = False):
+            return dist.all_to_all_single(
+                out, tensor, out_splits, in_splits, group=pg, async_op=async_op
+            )
+
+        if self._use_streams:
+            pending = self._on_stream("tp", tensor, issue)
+            out.record_stream(self.streams["tp"])
+            return pending
+        return Pending(work=issue(async_op=True), tensor=(tensor, out), what=what)
+
     def compact(self, tensor: Tensor, after: list[Pending]) -> tuple[Tensor, Pending]:
         """A copy of ``tensor`` (a slice of a larger reduce buffer) made once the reduces
         ``after`` are done, so the buffer's other elements can be freed without waiting for the
@@ -248,9 +289,10 @@ class Collectives:
         return copy, Pending(event=event)
 
     def all_reduce(self, tensor: Tensor, op=dist.ReduceOp.SUM) -> None:
-        """Blocking all-reduce over the whole data-parallel world (shard, then replicate).
-        Outside backward only: it runs on the ``reduce`` group, after the step's reduces."""
-        for group in ("reduce", "replicate"):
+        """Blocking all-reduce over every slot (shard, then replicate, then tensor-parallel
+        ranks). Outside backward only: it runs on the ``reduce`` group, after the step's
+        reduces (and on the ``tp`` group after the gradient gather)."""
+        for group in ("reduce", "replicate", "tp"):
             if self.mesh.size(group) > 1:
                 self._issued(group, "all_reduce", "all_reduce", tensor.numel(), "")
                 dist.all_reduce(tensor, op=op, group=self.groups[group])

@@ -180,7 +180,7 @@ class BoundaryGroup:
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(tuple(self._storage))
         comm = self.comm
         for bucket in self.buckets:
-            if bucket.holds_weight:
+            if bucket.holds_source:
                 bucket.fill_from_owned()
             if not self.gathered:
                 self._pending.append(
@@ -245,6 +245,10 @@ class BoundaryGroup:
     def post_backward(self, sync: bool, free: bool) -> list[PendingReduce]:
         """Its gradients are final on this rank: reduced to their owners (``sync``; not
         under ``no_sync``), then, if ``free``, the storage dropped."""
+        # A recompute that activation checkpointing stopped early (torch's non-reentrant
+        # checkpoint stops once it has what backward needs) never reached the forward
+        # post-hook that hands the modules their masters back: done here.
+        self.end_recompute()
         issued = self.reduce_grads() if sync else []
         if free:
             self.reshard()
@@ -258,6 +262,7 @@ class BoundaryGroup:
         if not keep:
             self.reshard()
             self.held_for_backward = False
+        self.end_recompute()  # (as in post_backward)
         self.grads_ready.clear()
         self.training_state = TrainingState.IDLE
 
@@ -328,7 +333,7 @@ class BoundaryGroup:
 
         def rest() -> PendingReduce:
             handles = [stage1]
-            if self.mesh.replicate_size > 1 and bucket.holds_weight:
+            if self.mesh.replicate_size > 1 and bucket.holds_source:
                 for segment in bucket.segments:
                     handles.append(
                         comm.reduce_sum(
@@ -355,15 +360,16 @@ class BoundaryGroup:
 
     # ---------------------------------------------------------------- updates back to replicas
     def broadcast_updates(self) -> None:
-        """After the step: each global owner's updated masters to the other replicas (async)."""
+        """After the step: each global owner's updated masters to the other replicas (async);
+        with tensor parallelism each rank of the owner's row sends its tp-shard copy."""
         for bucket in self.buckets:
-            if not bucket.holds_weight:
+            if not bucket.holds_source:
                 continue
             for segment in bucket.segments:
                 for p in segment.params:
                     self._replicate_pending.append(
                         self.comm.broadcast(
-                            p.owned.data,
+                            p.source.detach(),
                             segment.replica,
                             "replicate_broadcast",
                             group="replicate",

@@ -4,7 +4,15 @@ The data-parallel ranks form a replicate × shard grid (plain FSDP is 1 × S, DD
 plan numbers its owner *slots* ``replicate · S + shard``; a matrix owned by slot (r, s) is kept
 whole by the ranks of shard column s (one per replica, the owner among them), broadcast
 inside each replica, and its gradient reduced over the shard ranks and then across replicas.
-Tensor and expert parallelism extend this object (more slots, more groups), not copies of it.
+
+Tensor parallelism (T ranks) adds a third coordinate: slots ``(replicate · S + shard) · T +
+tp``. A matrix owned by slot (r, s, t) is kept whole by its owner alone; every other rank of
+shard column s (any replica, any tp coordinate t') keeps a copy of its tensor-parallel shard
+t', which it broadcasts in its replica's shard group of tp coordinate t'. Gradient shards go
+the same way back (shard ranks, then replicas) and are gathered on the owner by the ranks of
+its *row* (r, s, ·) over the tp group; the owner's update returns to the row the same way
+and then to the replicas. Expert parallelism extends this object too (more groups), not
+copies of it.
 """
 
 from __future__ import annotations
@@ -48,40 +56,68 @@ class MeshInfo:
     #: with expert parallelism: the global ranks by (expert coordinate, grid rank), the layout
     #: of the 2-D DeviceMesh whose (Shard(0), Shard(0)) DTensor a stack's pieces form
     expert_layout: tuple[tuple[int, ...], ...] = ()
+    #: tensor-parallel degree and this rank's coordinate in it (1 and 0 without TP)
+    tp_size: int = 1
+    tp_rank: int = 0
     groups: dict[str, dist.ProcessGroup | None] = field(
-        default_factory=lambda: dict.fromkeys(("unshard", "reduce", "replicate"))
+        default_factory=lambda: dict.fromkeys(("unshard", "reduce", "replicate", "tp"))
     )
-    #: the user's (shard, replicate, expert) DeviceMeshes, for DTensors of stack pieces
-    device_meshes: tuple[DeviceMesh | None, ...] = (None, None, None)
+    #: the user's (shard, replicate, expert, tensor-parallel) DeviceMeshes, for DTensors
+    device_meshes: tuple[DeviceMesh | None, ...] = (None, None, None, None)
 
     @property
     def world_size(self) -> int:
-        """The number of owner slots: every data-parallel rank."""
-        return self.shard_size * self.replicate_size
+        """The number of owner slots: every data-parallel × tensor-parallel rank."""
+        return self.shard_size * self.replicate_size * self.tp_size
 
     @property
     def slot(self) -> int:
         """This rank's owner slot."""
-        return self.replicate_rank * self.shard_size + self.shard_rank
+        return (self.replicate_rank * self.shard_size + self.shard_rank) * self.tp_size + (
+            self.tp_rank
+        )
 
     def owner_coordinates(self, slot: int) -> tuple[int, int]:
         """(replica, shard column) of owner ``slot``."""
-        return divmod(slot, self.shard_size)
+        return divmod(slot // self.tp_size, self.shard_size)
+
+    def owner_tp_rank(self, slot: int) -> int:
+        """The tensor-parallel coordinate of owner ``slot``."""
+        return slot % self.tp_size
 
     def holds_weight(self, slot: int) -> bool:
-        """Whether this rank keeps the full master of a matrix owned by ``slot`` (it is in the
-        owner's shard column: the owner, or its copy in another replica)."""
+        """Whether this rank keeps the whole master of a matrix owned by ``slot``: without TP
+        the ranks of the owner's shard column (the owner, or its copy in another replica);
+        with TP the owner alone (the others keep tensor-parallel shards)."""
+        if self.tp_size > 1:
+            return slot == self.slot
         return self.owner_coordinates(slot)[1] == self.shard_rank
+
+    def holds_source(self, slot: int) -> bool:
+        """Whether this rank is the source of its replica's stage-1 broadcast of a matrix
+        owned by ``slot`` (of its tensor-parallel shard with TP): a rank of the owner's shard
+        column."""
+        return self.owner_coordinates(slot)[1] == self.shard_rank
+
+    def in_owner_row(self, slot: int) -> bool:
+        """Whether the reduced gradient of a matrix owned by ``slot`` ends on this rank (of
+        its tensor-parallel shard with TP, then gathered on the owner): the owner's replica
+        and shard column."""
+        return self.owner_coordinates(slot) == (self.replicate_rank, self.shard_rank)
 
     def size(self, group: str) -> int:
         """Ranks in DMuon group ``group`` (``"unshard"``/``"reduce"``: the shard ranks)."""
         if group.startswith("grid"):
             return self.grid_size
+        if group == "tp":
+            return self.tp_size
         return self.replicate_size if group == "replicate" else self.shard_size
 
     def rank(self, group: str) -> int:
         if group.startswith("grid"):
             return self.grid_rank
+        if group == "tp":
+            return self.tp_rank
         return self.replicate_rank if group == "replicate" else self.shard_rank
 
 
@@ -90,13 +126,16 @@ def mesh_info(
     replicate_mesh: DeviceMesh | None,
     grid: bool = False,
     expert_mesh: DeviceMesh | None = None,
+    tp_mesh: DeviceMesh | None = None,
 ) -> MeshInfo:
     """The grid of a 1-D shard mesh and a 1-D replicate mesh (either may be ``None``), with
     DMuon's own process groups created on it (every rank of the world must call this);
     ``grid``: also the groups a stack's pieces are spread over; ``expert_mesh``: the 1-D
-    expert-parallel mesh that already cuts the stacks (its ranks are data-parallel ranks)."""
+    expert-parallel mesh that already cuts the stacks (its ranks are data-parallel ranks);
+    ``tp_mesh``: the 1-D tensor-parallel mesh (its ranks outside the data-parallel ones)."""
     shard_group = mesh.get_group() if mesh is not None else None
     replicate_group = replicate_mesh.get_group() if replicate_mesh is not None else None
+    tp_group = tp_mesh.get_group() if tp_mesh is not None else None
     device_type = (mesh or replicate_mesh).device_type
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -104,7 +143,7 @@ def mesh_info(
         else torch.device(device_type)
     )
     expert = (expert_mesh.size(), expert_mesh.get_local_rank()) if expert_mesh else (1, 0)
-    groups, layout = new_process_groups(shard_group, replicate_group, grid, expert)
+    groups, layout = new_process_groups(shard_group, replicate_group, grid, expert, tp_group)
     grid_group = groups.get("grid_unshard")
     world = (mesh.size() if mesh is not None else 1) * (
         replicate_mesh.size() if replicate_mesh is not None else 1
@@ -119,9 +158,11 @@ def mesh_info(
         shard_rank=mesh.get_local_rank() if mesh is not None else 0,
         replicate_size=replicate_mesh.size() if replicate_mesh is not None else 1,
         replicate_rank=replicate_mesh.get_local_rank() if replicate_mesh is not None else 0,
+        tp_size=tp_mesh.size() if tp_mesh is not None else 1,
+        tp_rank=tp_mesh.get_local_rank() if tp_mesh is not None else 0,
         device=device,
         groups=groups,
-        device_meshes=(mesh, replicate_mesh, expert_mesh),
+        device_meshes=(mesh, replicate_mesh, expert_mesh, tp_mesh),
     )
 
 
@@ -130,9 +171,11 @@ def new_process_groups(
     replicate_group: dist.ProcessGroup | None,
     grid: bool = False,
     expert: tuple[int, int] = (1, 0),
+    tp_group: dist.ProcessGroup | None = None,
 ) -> tuple[dict[str, dist.ProcessGroup | None], tuple[tuple[int, ...], ...]]:
     """DMuon's own groups: ``unshard`` and ``reduce`` with the ranks of ``shard_group``,
-    ``replicate`` with those of ``replicate_group``, and with ``grid`` ``grid_unshard`` and
+    ``replicate`` with those of ``replicate_group``, ``tp`` with those of ``tp_group`` (the
+    gradient gathers and update scatters of tensor parallelism), and with ``grid`` ``grid_unshard`` and
     ``grid_reduce`` with the ranks of the replicate × shard grid that share this rank's
     expert-parallel coordinate (``expert``: degree, coordinate; all of them without EP)
     (``None`` for a group of one rank). Also, with EP, the global ranks by (expert
@@ -157,10 +200,11 @@ def new_process_groups(
         "unshard": ranks_of(shard_group),
         "reduce": ranks_of(shard_group),
         "replicate": ranks_of(replicate_group),
+        "tp": ranks_of(tp_group),
         "expert": expert[1],
         "grid": grid,
     }
-    kinds = ("unshard", "reduce", "replicate")
+    kinds = ("unshard", "reduce", "replicate", "tp")
     grid_kinds = ("grid_unshard", "grid_reduce")
     result: dict[str, dist.ProcessGroup | None] = dict.fromkeys(
         (*kinds, *grid_kinds) if grid else kinds
@@ -213,7 +257,7 @@ def grid_device_mesh(mesh: MeshInfo) -> DeviceMesh:
     """The DeviceMesh whose ``Shard(0)`` on every dimension a stack's pieces form, made from
     existing groups without a collective: 1-D over the grid ranks, or with expert
     parallelism 2-D (expert coordinate, grid rank)."""
-    shard, replicate, expert = mesh.device_meshes
+    shard, replicate, expert, _ = mesh.device_meshes
     device_type = (shard or replicate).device_type
     grid = mesh.groups["grid_unshard"]
     if mesh.expert_size == 1:

@@ -14,6 +14,12 @@ Outside a boundary's active window the module holds ``owned`` (master or placeho
 it the module holds ``unsharded``: a full-size parameter in the compute dtype whose storage is
 a view into its bucket's broadcast buffer; autograd accumulates this rank's gradient into
 ``unsharded.grad``.
+
+With tensor parallelism ``parallelize_module`` later tells each matrix its placement on the
+tp mesh (``Shard(0)`` colwise, ``Shard(1)`` rowwise; see ``tensor_parallel.py``): ``unsharded``
+is then this rank's tensor-parallel shard, as a DTensor on the tp mesh; only the owner keeps
+the whole master, and the other ranks of its shard column keep ``tp_copy``, the master's
+shard of their tp coordinate, the source of their stage-1 broadcasts.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ DEDICATED_ATTR = "_dmuon_dedicated"
 # module -> names of its dedicated parameter slots. The slot is what is dedicated: the object
 # in it changes when ``to_empty`` materializes a meta model.
 _DEDICATED_SLOTS: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+# module -> slot name -> (a weak reference to) its DedicatedParam
+_SLOT_PARAMS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def is_dedicated(param: torch.Tensor) -> bool:
@@ -44,6 +52,18 @@ def is_dedicated(param: torch.Tensor) -> bool:
 def dedicated_of(param: torch.Tensor) -> DedicatedParam | None:
     """The :class:`DedicatedParam` behind a dedicated parameter tensor, else ``None``."""
     return getattr(param, DEDICATED_ATTR, None)
+
+
+def dedicated_slots_of(module: nn.Module) -> set[str]:
+    """Names of ``module``'s own dedicated parameter slots."""
+    return set(_DEDICATED_SLOTS.get(module, ()))
+
+
+def dedicated_slot_owner(module: nn.Module, attr: str) -> DedicatedParam | None:
+    """The :class:`DedicatedParam` of ``module``'s dedicated slot ``attr``: whatever object
+    the slot holds now (a style may have wrapped it in a new ``Parameter``)."""
+    found = _SLOT_PARAMS.get(module, {}).get(attr)
+    return found() if found is not None else None
 
 
 def dedicated_params_of(module: nn.Module) -> list[torch.Tensor]:
@@ -90,11 +110,19 @@ class DedicatedParam:
             self.piece = (first + start, first + stop)
             self.owner_replica = self.owner_shard = SHARDED
             self.holds_weight = self.is_owner = self.piece[1] > self.piece[0]
+            self.holds_source = self.in_owner_row = self.holds_weight
+            self.owner_tp_rank = 0
             self.owned_shape = torch.Size((self.piece[1] - self.piece[0], *self.shape[1:]))
         else:
             self.owner_replica, self.owner_shard = mesh.owner_coordinates(owner)
-            #: this rank holds the full master weight (its replica's copy, or the owner's own)
+            self.owner_tp_rank = mesh.owner_tp_rank(owner)
+            #: this rank holds the whole master weight (without TP its replica's copy, or the
+            #: owner's own; with TP the owner alone)
             self.holds_weight = mesh.holds_weight(owner)
+            #: this rank is its replica's stage-1 source (of its tensor-parallel shard)
+            self.holds_source = mesh.holds_source(owner)
+            #: the reduced gradient (of its tensor-parallel shard) ends here
+            self.in_owner_row = mesh.in_owner_row(owner)
             #: this rank is the global owner: it keeps the optimizer state and steps the matrix
             self.is_owner = owner == mesh.slot
             # Zero rows but the same trailing dims where not held, so ``fan_in``-style
@@ -103,6 +131,18 @@ class DedicatedParam:
         #: shape and elements of ``owned`` (the whole matrix, a stack's piece, or empty)
         self.owned_shape = torch.Size(self.owned_shape)
         self.owned_numel = self.owned_shape.numel()
+        #: tensor parallelism: its degree and this rank's coordinate; the matrix's sharded
+        #: dim (0 colwise, 1 rowwise) once ``parallelize_module`` placed it (else ``None``)
+        self.tp_size, self.tp_rank = mesh.tp_size, mesh.tp_rank
+        self.tp_mesh = mesh.device_meshes[3] if mesh.tp_size > 1 else None
+        self.tp_dim: int | None = None
+        #: elements of ``unsharded`` (known before the placement: the degree divides a dim)
+        self.unsharded_numel = self.shape.numel() // self.tp_size if not self.stacked else 0
+        if self.stacked:
+            self.unsharded_numel = self.unsharded_shape.numel()
+        #: with TP, on the ranks of the owner's shard column: this tp coordinate's shard of
+        #: the master (made at lazy init, filled from the owner)
+        self.tp_copy: torch.Tensor | None = None
         self.boundary_index = boundary_index
         #: the model's runtime state (a weak reference; set when the state is built)
         self.state_ref = None
@@ -121,6 +161,7 @@ class DedicatedParam:
             module._parameters[attr] = self._owned
         setattr(self._owned, DEDICATED_ATTR, self)
         _DEDICATED_SLOTS.setdefault(module, set()).add(attr)
+        _SLOT_PARAMS.setdefault(module, {})[attr] = weakref.ref(self)
         self.unsharded: nn.Parameter | None = None
         #: with expert parallelism, the expert mesh: the unsharded stack is its Shard(0)
         self.expert_mesh = mesh.device_meshes[2] if self.stacked else None
@@ -159,17 +200,88 @@ class DedicatedParam:
         self.reduce_dtype = (policy.reduce_dtype if policy else None) or self.param_dtype
 
     def check_materialized(self) -> None:
+        if self.tp_mesh is not None and self.tp_dim is None:
+            raise ValueError(
+                f"dedicated parameter {self.fqn!r} was not tensor-parallelized, but "
+                "dedicate_params was given a tp_mesh: put it in the parallelize_module plan "
+                "(ColwiseParallel or RowwiseParallel) or exclude it from the predicate"
+            )
         if self.holds_weight and self.owned.is_meta:
             raise RuntimeError(
                 f"dedicated parameter {self.fqn!r} is still on the meta device; call "
                 "model.to_empty(device=...) and initialize the weights before the first forward"
             )
 
+    def set_tensor_parallel(self, mesh, placements) -> None:
+        """``parallelize_module`` places this matrix on ``mesh`` (see ``tensor_parallel.py``):
+        checked against the tp mesh given to ``dedicate_params``; the forward then computes
+        with this rank's shard."""
+        from torch.distributed.tensor import Shard
+
+        if self.tp_mesh is None:
+            raise ValueError(
+                f"dedicated parameter {self.fqn!r} is being tensor-parallelized on a "
+                f"{mesh.size()}-rank mesh, but dedicate_params was given no tp_mesh: pass "
+                "tp_mesh=<the tensor-parallel DeviceMesh> to dedicate_params"
+            )
+        if self.stacked:
+            raise ValueError(
+                f"dedicated expert stack {self.fqn!r}: tensor parallelism of expert stacks is "
+                "not supported; leave the experts out of the tensor-parallel plan"
+            )
+        same = mesh.ndim == 1 and sorted(mesh.mesh.flatten().tolist()) == sorted(
+            self.tp_mesh.mesh.flatten().tolist()
+        )
+        placement = placements[0] if len(placements) == 1 else None
+        if not same or not (isinstance(placement, Shard) and placement.dim in (0, 1, -1, -2)):
+            raise ValueError(
+                f"dedicated parameter {self.fqn!r}: tensor parallelism places it as "
+                f"{list(placements)} on mesh {mesh.mesh.tolist()}; DMuon serves Shard(0) "
+                "(colwise) or Shard(1) (rowwise) on the tp_mesh given to dedicate_params "
+                f"({self.tp_mesh.mesh.tolist()}): change the plan or exclude the parameter"
+            )
+        dim = placement.dim % 2
+        if self.shape[dim] % self.tp_size:
+            raise ValueError(
+                f"dedicated parameter {self.fqn!r} of shape {tuple(self.shape)}: dim {dim} "
+                f"is not divisible by the tensor-parallel degree {self.tp_size}; use a degree "
+                "that divides it or exclude the parameter"
+            )
+        self.tp_dim = dim
+        local = list(self.shape)
+        local[dim] //= self.tp_size
+        self.unsharded_shape = torch.Size(local)
+
+    def tp_slice(self, whole: torch.Tensor, tp_rank: int | None = None) -> torch.Tensor:
+        """Shard ``tp_rank`` (default: this rank's) of a whole-matrix tensor, a view."""
+        rank = self.tp_rank if tp_rank is None else tp_rank
+        size = self.shape[self.tp_dim] // self.tp_size
+        return whole.narrow(self.tp_dim, rank * size, size)
+
+    @property
+    def source(self) -> torch.Tensor:
+        """What this rank copies into its stage-1 broadcast buffer (a source rank): the
+        master, or with TP its shard copy."""
+        return self.tp_copy if self.tp_size > 1 else self.owned
+
     def make_unsharded(self, flat_view: torch.Tensor) -> None:
         """Create the full-size compute parameter over ``flat_view`` (its bucket's buffer);
-        with expert parallelism a ``Shard(0)`` DTensor on the expert mesh, as EP makes it."""
+        with expert parallelism a ``Shard(0)`` DTensor on the expert mesh, as EP makes it;
+        with tensor parallelism this rank's shard as a DTensor on the tp mesh, as
+        ``parallelize_module`` makes it."""
         data = flat_view.view(self.unsharded_shape)
-        if self.expert_mesh is not None and self.expert_mesh.size() > 1:
+        if self.tp_mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            data = DTensor.from_local(
+                data,
+                self.tp_mesh,
+                [Shard(self.tp_dim)],
+                run_check=False,
+                shape=self.shape,
+                stride=torch.empty(self.shape, device="meta").stride(),
+            )
+        elif self.expert_mesh is not None and self.expert_mesh.size() > 1:
             from torch.distributed.tensor import DTensor, Shard
 
             data = DTensor.from_local(

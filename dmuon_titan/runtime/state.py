@@ -30,6 +30,7 @@ from .schedule import (
     merge_sequences,
     plan_order_schedule,
 )
+from .tensor_parallel import TensorParallelExchange
 
 STATE_ATTR = "_dmuon_state"
 
@@ -75,7 +76,10 @@ class DMuonState:
         self.pipelined = False
         # Summed gradients are divided by this (FSDP2's gradient divide factor): the world size
         # averages; 1.0 sums, for losses already normalized globally (torchtitan does that).
-        self.gradient_divide_factor = float(self.mesh.world_size)
+        # (The data-parallel world: tensor-parallel ranks hold shards of one batch's gradient.)
+        self.gradient_divide_factor = float(self.mesh.shard_size * self.mesh.replicate_size)
+        #: tensor parallelism: the owners' exchange of tp shards with their rows
+        self.tp_exchange = TensorParallelExchange(params, comm) if self.mesh.tp_size > 1 else None
         #: the order every rank issues the step's collectives in: plan order for the first
         #: step, the forward order recorded on all ranks after it
         self.schedule = plan_order_schedule(len(groups))
@@ -135,6 +139,7 @@ class DMuonState:
             for group in self.groups:
                 group.lazy_init()
                 hooks.register_grad_hooks(self, group)
+            self._make_tp_copies()
         self._initialized = True
         # Each replica's column rank ran init_weights with its own random stream: from here
         # on every copy is the global owner's.
@@ -380,13 +385,25 @@ class DMuonState:
             return
         pending, self._pending_reduces = self._pending_reduces, []
         if pending:
-            self.presence_syncs += finalize(pending, self.gradient_divide_factor)
+            self.presence_syncs += finalize(pending, self.gradient_divide_factor, self.tp_exchange)
 
     # ------------------------------------------------------------------ replicas
+    def _make_tp_copies(self) -> None:
+        """With tensor parallelism, the tp-shard copies of the owner's shard column (filled
+        from the owners by :meth:`sync_replicas`)."""
+        if self.tp_exchange is None:
+            return
+        for p in self.params:
+            if p.holds_source and p.tp_copy is None:
+                p.tp_copy = torch.empty(p.unsharded_shape, dtype=p.orig_dtype, device=self.device)
+
     def after_step(self) -> None:
         """Send the owners' updated masters to the other replicas: asynchronously (waited for
         in the next forward of each boundary, hidden behind earlier layers), or right away
-        with ``replicate_async=False``."""
+        with ``replicate_async=False``. With tensor parallelism their shards go to the
+        owners' rows first (waited for here)."""
+        if self.tp_exchange is not None:
+            self.tp_exchange.scatter_weights()
         if self.mesh.replicate_size == 1:
             return
         for group in self.groups:
@@ -406,7 +423,13 @@ class DMuonState:
         self._replicas_synced = True
 
     def sync_replicas(self) -> None:
-        """Make every replica's master equal the global owner's, now (after init or a load)."""
+        """Make every replica's master (and every tp-shard copy) equal the global owner's,
+        now (after init or a load). Before lazy init the copies do not exist yet: it syncs."""
+        if self.tp_exchange is not None:
+            if not self._initialized:
+                self._replicas_synced = False
+                return
+            self.tp_exchange.scatter_weights(phase="tp_sync")
         self._replicas_synced = True
         if self.mesh.replicate_size == 1:
             return

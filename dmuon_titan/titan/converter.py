@@ -64,15 +64,16 @@ def check_compatibility(job_config, parallel_dims) -> None:
         )
     p = job_config.parallelism
     unsupported = {
-        "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
         "parallelism.expert_tensor_parallel_degree": p.expert_tensor_parallel_degree,
     }
     for key, value in unsupported.items():
         if value not in (1, None):
             raise ConfigError(
                 f"{key} = {value}: not supported with DMuon yet (data parallelism — FSDP, "
-                "HSDP, DDP — and expert, context and pipeline parallelism are)"
+                "HSDP, DDP — and tensor, expert, context and pipeline parallelism are)"
             )
+    if p.tensor_parallel_degree > 1:
+        _check_tensor_parallel(job_config)
     if parallel_dims.pp_enabled:
         _check_pipeline(p)
     if p.expert_parallel_degree > 1 and p.expert_parallel_comm_backend != "standard":
@@ -86,6 +87,30 @@ def check_compatibility(job_config, parallel_dims) -> None:
         raise ConfigError("training.enable_cpu_offload = true: not supported with DMuon")
     if job_config.optimizer.early_step_in_backward:
         raise ConfigError("optimizer.early_step_in_backward = true: not supported with DMuon")
+
+
+def _check_tensor_parallel(job_config) -> None:
+    """What DMuon's tensor parallelism does not serve yet, refused naming the key."""
+    p = job_config.parallelism
+    degree = p.tensor_parallel_degree
+    if p.enable_async_tensor_parallel:
+        raise ConfigError(
+            "parallelism.enable_async_tensor_parallel = true: async TP fuses the colwise/"
+            "rowwise matmuls with their collectives inside compiled graphs, which DMuon's "
+            "tensor-parallel matrices are not tested with yet; set it false"
+        )
+    if FLOAT8 in job_config.model.converters:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree = {degree} with the {FLOAT8!r} converter: "
+            "float8 tensor-parallel styles are not supported with DMuon yet; use "
+            "tensor_parallel_degree = 1 or drop the converter"
+        )
+    if p.pipeline_parallel_degree > 1 or p.expert_parallel_degree > 1:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree = {degree} together with pipeline or "
+            "expert parallelism: not supported with DMuon yet (each composes with data "
+            "parallelism); use one of them"
+        )
 
 
 def _check_pipeline(p) -> None:
@@ -169,6 +194,12 @@ def check_stacks(job_config, parallel_dims, model: nn.Module, predicate) -> None
     stacks = [n for n, p in model.named_parameters() if p.ndim == 3 and predicate(n, p)]
     if not stacks:
         return
+    if parallel_dims.tp > 1:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree = {parallel_dims.tp}: [dmuon] params selects "
+            f"expert stacks ({stacks[0]!r}, ...), which DMuon cannot combine with tensor "
+            "parallelism yet; leave them out of [dmuon] params or use degree 1"
+        )
     if job_config.dmuon.mode == "naive":
         raise ConfigError(
             f'[dmuon] mode = "naive" steps 2-D matrices only, and [dmuon] params selects '
@@ -208,6 +239,7 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
     boundary = (lambda m: True) if cfg.hook_boundary == "module" else None
     shard_mesh, replicate_mesh = dp_meshes(parallel_dims)
     expert_mesh = parallel_dims.get_optional_mesh("ep") if parallel_dims.ep > 1 else None
+    tp_mesh = parallel_dims.get_optional_mesh("tp") if parallel_dims.tp > 1 else None
     options = options_kwargs(cfg.dedicate_options())
     if stage:  # a stage keeps its weights for all the step's microbatches (prepare_pipeline_stage)
         options["reshard_after_forward"] = False
@@ -219,6 +251,7 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
             hook_boundary_predicate=boundary,
             replicate_mesh=replicate_mesh,
             expert_mesh=expert_mesh,
+            tp_mesh=tp_mesh,
             allow_empty=bool(stage),
             **options,
         )

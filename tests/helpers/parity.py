@@ -43,6 +43,13 @@ CASES = [
     ),
     ("z3+auto_collectives", with_(EXACT, collectives="auto"), "float64", 1e-10),
     ("z3+clip", with_(EXACT, max_norm=0.5), "float64", 1e-10),
+    # (torch's checkpoint stops a recompute early: the modules must get their masters back)
+    (
+        "z3+ac+clip",
+        with_(EXACT, activation_checkpointing=True, max_norm=0.5),
+        "float64",
+        1e-10,
+    ),
     (
         "z3+ac+compile",
         with_(EXACT, activation_checkpointing=True, compile_backend="aot_eager"),

@@ -41,6 +41,8 @@ MODELS = {
     # deeper and shallower toys, for pipeline stages (tests/helpers/pipeline.py)
     "toy2": functools.partial(ToyTransformer, n_layers=2),
     "toy4": functools.partial(ToyTransformer, n_layers=4),
+    # as many key/value heads as heads: tensor parallelism up to 4 ranks keeps heads whole
+    "toy_mha": functools.partial(ToyTransformer, n_kv_heads=4),
     "reuse": ReuseTransformer,
     "branch": BranchTransformer,
     "moe": MoETransformer,
@@ -84,6 +86,7 @@ class RunConfig:
     collectives: str = "broadcast"  # dedicate_params(collectives=...): stage-1 layout
     optimizer_first: bool = False  # build Muon after fully_shard but before to_empty
     ep: int = 1  # expert parallelism ("grouped_moe"): ranks (fsdp // ep, ep), experts cut by ep
+    tp: int = 1  # tensor parallelism: ranks (replicate, shard, tp), the blocks colwise/rowwise
 
 
 #: MoE data: the expert residues (token % 4) each block of rows may use. Whatever the world
@@ -185,9 +188,47 @@ def initial_state(cfg: RunConfig) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- DMuon
+#: the blocks' tensor-parallel plan (torchtitan's llama3 plan without sequence parallelism)
+TP_PLAN = {
+    "attention.wq": "colwise",
+    "attention.wk": "colwise",
+    "attention.wv": "colwise",
+    "attention.wo": "rowwise",
+    "feed_forward.w1": "colwise",
+    "feed_forward.w3": "colwise",
+    "feed_forward.w2": "rowwise",
+}
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> None:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for layer in model.layers:
+        plan = {name: styles[style]() for name, style in TP_PLAN.items()}
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def data_rank(cfg: RunConfig, rank: int, world_size: int) -> tuple[int, int]:
+    """(this rank's data-parallel rank, data-parallel size): tensor-parallel ranks (the
+    innermost mesh dim) share one batch slice."""
+    return rank // cfg.tp, world_size // cfg.tp
+
+
 def build_dmuon(cfg: RunConfig, world_size: int):
-    """Meta model → dedicate → (AC) → fully_shard → to_empty → init_weights → Muon."""
-    if cfg.replicate > 1 or cfg.ddp:
+    """Meta model → dedicate → (TP) → (AC) → fully_shard → to_empty → init_weights → Muon."""
+    tp_mesh = None
+    if cfg.tp > 1:
+        dims = (cfg.replicate, world_size // (cfg.replicate * cfg.tp), cfg.tp)
+        world = init_device_mesh(cfg.device, dims, mesh_dim_names=("replicate", "shard", "tp"))
+        tp_mesh, shard_mesh = world["tp"], world["shard"]
+        replicate_mesh = world["replicate"] if cfg.replicate > 1 else None
+        fsdp_mesh = world["replicate", "shard"] if cfg.replicate > 1 else shard_mesh
+    elif cfg.replicate > 1 or cfg.ddp:
         replicas = world_size if cfg.ddp else cfg.replicate
         grid = init_device_mesh(
             cfg.device, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard")
@@ -218,7 +259,10 @@ def build_dmuon(cfg: RunConfig, world_size: int):
         ns_algorithm=cfg.ns_algorithm,
         collectives=cfg.collectives,
         expert_mesh=expert_mesh,
+        tp_mesh=tp_mesh,
     )
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh)
     if expert_mesh is not None:
         for layer in model.layers:
             layer.moe.experts.ep_group = expert_mesh.get_group()
@@ -279,7 +323,7 @@ def local_slice(cfg: RunConfig, tokens: torch.Tensor, rank: int, world_size: int
 
 
 def train_step(cfg: RunConfig, model, optimizer, step: int, rank: int, world_size: int) -> None:
-    tokens = local_slice(cfg, batch(cfg, step), rank, world_size)
+    tokens = local_slice(cfg, batch(cfg, step), *data_rank(cfg, rank, world_size))
     chunks = tokens.chunk(cfg.micro_batches)
     for i, chunk in enumerate(chunks):
         last = i == len(chunks) - 1

@@ -355,11 +355,6 @@ def test_bad_toml_values_and_keys_are_named(tmp_path):
     [
         ("toy_dmuon.toml", ["--dmuon.params", "layers\\.\\d+\\.moe\\..*"], "matches no parameter"),
         ("toy_dmuon.toml", ["--dmuon.params", "layers\\.\\d+\\.attention_norm\\.weight"], "2-D"),
-        (
-            "toy_dmuon.toml",
-            ["--parallelism.tensor_parallel_degree", "2"],
-            "parallelism.tensor_parallel_degree",
-        ),
         ("toy_dmuon.toml", ["--optimizer.name", "AdamW"], "[optimizer] name"),
         ("toy_adamw.toml", ["--optimizer.name", "DMuon"], "converters"),
         ("toy_dmuon.toml", ["--dmuon.ns_steps", "0"], "[dmuon] ns_steps"),

@@ -25,9 +25,23 @@ def _dims(**kw):
     "override, dims, key",
     [
         (
-            ["--parallelism.tensor_parallel_degree", "2"],
-            {},
-            "parallelism.tensor_parallel_degree = 2",
+            [
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.enable_async_tensor_parallel",
+            ],
+            {"tp": 2},
+            "parallelism.enable_async_tensor_parallel = true",
+        ),
+        (
+            [
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--model.converters",
+                "quantize.linear.float8,dmuon",
+            ],
+            {"tp": 2},
+            "parallelism.tensor_parallel_degree = 2 with the 'quantize.linear.float8'",
         ),
         (
             ["--parallelism.expert_tensor_parallel_degree", "2"],
@@ -83,7 +97,8 @@ def _dims(**kw):
         (["--optimizer.early_step_in_backward"], {}, "optimizer.early_step_in_backward = true"),
     ],
     ids=[
-        "tp",
+        "async-tp",
+        "tp-float8",
         "etp",
         "ep-backend",
         "interleaved-zb",
