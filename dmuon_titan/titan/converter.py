@@ -282,10 +282,11 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
     # The yardstick of the benchmarks (T_floor): plain NS of every matrix, whatever runs.
     plain = sum(orthogonalize_flops(p["shape"], "plain") for p in summary["params"])
     z = "Z3" if options["reshard_after_forward"] else "Z2"
+    tp = f" x {summary['tp_size']} tensor-parallel" if summary["tp_size"] > 1 else ""
     logger.info(
         f"DMuon: {where}{summary['num_params']} matrices on {summary['world_size']} ranks "
         f"({_count(summary['replicate_size'], 'replica')} x "
-        f"{_count(summary['shard_size'], 'shard')}"
+        f"{_count(summary['shard_size'], 'shard')}{tp}"
         f"{f', experts cut by expert parallelism {expert_mesh.size()}' if expert_mesh else ''}), "
         f"{len(summary['boundaries'])} hook boundaries, NS GFLOP per rank "
         f"{[round(x / 1e9, 1) for x in loads]} (imbalance {summary['imbalance']:.3f}; "

@@ -11,6 +11,11 @@ owner column plus an all-gather per expert stack).
 
     python3 scripts/bench/simulate_partition.py --ranks 8 64 512 --tflops 600
     python3 scripts/bench/simulate_partition.py --ranks 3 5 7 --ns-algorithm auto --planned-for plain
+    python3 scripts/bench/simulate_partition.py --ranks 8 16 32 64 128 --tp 8 --models llama3-70B
+
+``--tp T``: tensor parallelism of degree T inside each data-parallel rank; owners are planned
+over ranks x T slots (the "ranks" column counts data-parallel ranks), and the bytes count
+each rank's tp shard in the data-parallel phases plus the tp gather/scatter (fp32).
 """
 
 from __future__ import annotations
@@ -117,9 +122,12 @@ def main() -> None:
         help="balance owners for this algorithm's FLOPs (default: --ns-algorithm's), "
         "loads are reported in --ns-algorithm's",
     )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--models", nargs="+", default=None, help="only these models")
     args = parser.parse_args()
+    tp = args.tp
     print(
-        "| model | ranks | matrices | imbalance (max/mean) | idle ranks | blocks with a shared owner "
+        f"| model | ranks{' x tp' if tp > 1 else ''} | matrices | imbalance (max/mean) | idle ranks | blocks with a shared owner "
         "| slowest rank NS (ms) | perfect split NS (ms) | Z3 GiB/rank/step | plan ms "
         "| collectives per block in |"
     )
@@ -127,9 +135,12 @@ def main() -> None:
     models = {name: llama_specs(*dims) for name, dims in MODELS.items()}
     models.update({name: moe_specs(*dims) for name, dims in MOE_MODELS.items()})
     for name, specs in models.items():
+        if args.models and name not in args.models:
+            continue
         numel = sum(s.numel for s in specs)
         matrices = sum(s.shape[0] if s.stacked else 1 for s in specs)
-        for n in args.ranks:
+        for dp in args.ranks:
+            n = dp * tp  # owner slots
             start = time.perf_counter()
             plan = plan_partition(specs, n, ns_algorithm=args.planned_for or args.ns_algorithm)
             plan_ms = (time.perf_counter() - start) * 1e3
@@ -154,9 +165,12 @@ def main() -> None:
             )
             rate = args.tflops * 1e12
             total = sum(loads)
-            moved = (2 * 2 + 4) * numel * (n - 1) / n / 2**30  # bf16 bcast x2 + fp32 reduce
+            # bf16 bcast x2 + fp32 reduce of each rank's tp shard, then (tp) fp32 gather+scatter
+            moved = (2 * 2 + 4) * numel / tp * (dp - 1) / dp / 2**30
+            moved += (tp - 1) * numel / tp * (4 + 4) / n / 2**30
+            ranks = f"{dp} x {tp}" if tp > 1 else f"{dp}"
             print(
-                f"| {name} | {n} | {matrices} | {max(loads) / (sum(loads) / n):.3f} | {loads.count(0)} | "
+                f"| {name} | {ranks} | {matrices} | {max(loads) / (sum(loads) / n):.3f} | {loads.count(0)} | "
                 f"{shared} | {max(loads) / rate * 1e3:.1f} | {total / n / rate * 1e3:.1f} | {moved:.1f} "
                 f"| {plan_ms:.0f} | {calls} |"
             )
