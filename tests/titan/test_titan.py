@@ -399,7 +399,6 @@ def test_bad_toml_values_and_keys_are_named(tmp_path):
     ids=[
         "no-match",
         "not-2d",
-        "tp2",
         "converter-without-dmuon",
         "dmuon-without-converter",
         "ns_steps",
