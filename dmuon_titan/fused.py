@@ -124,7 +124,13 @@ def decay_and_update_many_(
 ) -> None:
     """:func:`decay_and_update_` for lists of same-dtype parameters as foreach ops, each
     update brought to its parameter's dtype and layout first."""
-    steps = [u.to(params[0].dtype, memory_format=torch.contiguous_format) for u in updates]
+    dtype = params[0].dtype
+    steps = [
+        u
+        if u.dtype == dtype and u.is_contiguous()
+        else u.to(dtype, memory_format=torch.contiguous_format)
+        for u in updates
+    ]
     torch._foreach_mul_(params, decay)
     torch._foreach_add_(params, steps, alpha=-step)
 

@@ -232,11 +232,12 @@ class Muon(torch.optim.Optimizer):
         todo = [p for p in todo if p.ndim == 2]
         for chunk in ns_chunks(todo, self.ns_batch_numel, self.ns_unbatched_numel):
             grouped = self._grouped(chunk, group)
-            orthos = self._orthogonalize(chunk, group, coefficients, grouped)
+            out = self._orthogonalize(chunk, group, coefficients, grouped)
             if grouped:
-                self._grouped_update(chunk, orthos, group)
-                del orthos
+                self._grouped_update(chunk, out, group)
+                del out
                 continue
+            orthos = [out] if len(chunk) == 1 else out.unbind(0)
             for p, ortho in zip(chunk, orthos, strict=True):
                 target, ortho = self._scatter(p, ortho)
                 update.apply_update(
@@ -247,7 +248,7 @@ class Muon(torch.optim.Optimizer):
                     adjust_lr_fn=group["adjust_lr_fn"],
                     shape=p.shape,
                 )
-            del orthos  # views of NS's output for the chunk: free it before the next chunk
+            del orthos, out  # NS's output for the chunk: free it before the next chunk
 
     def _step_stack(self, p: torch.Tensor, group: dict[str, Any], coefficients) -> None:
         """Muon on each matrix of a stack (this rank's experts): the momentum step and the
@@ -272,10 +273,11 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalize(
         self, chunk: list[torch.Tensor], group: dict[str, Any], coefficients, grouped: bool
-    ) -> Sequence[torch.Tensor]:
-        """Momentum step + NS of one chunk of same-shape matrices. The directions are written
-        straight into one NS-dtype buffer (the chunk's batch, or a single matrix), which NS
-        then uses as its own scratch: no full-precision direction is ever materialized."""
+    ) -> torch.Tensor:
+        """Momentum step + NS of one chunk of same-shape matrices: the orthogonalized batch
+        (``[len(chunk), *shape]``; one matrix alone for a chunk of one). The directions are
+        written straight into one NS-dtype buffer, which NS then uses as its own scratch: no
+        full-precision direction is ever materialized."""
         args = (coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], self.ns_algorithm)
         shape = chunk[0].shape  # the whole matrix's (also for a DTensor)
         single = len(chunk) == 1
@@ -292,7 +294,7 @@ class Muon(torch.optim.Optimizer):
         self.timer.start("ns")
         orthos = newton_schulz.orthogonalize(batch, *args, overwrite_input=True)
         self.timer.stop("ns")
-        return [orthos] if single else orthos.unbind(0)
+        return orthos
 
     def _grouped(self, chunk: list[torch.Tensor], group: dict[str, Any]) -> bool:
         """Whether ``chunk``'s momentum and update passes run as foreach ops: several small
@@ -326,13 +328,18 @@ class Muon(torch.optim.Optimizer):
             )
 
     def _grouped_update(
-        self, chunk: list[torch.Tensor], orthos: Sequence[torch.Tensor], group: dict[str, Any]
+        self, chunk: list[torch.Tensor], orthos: torch.Tensor, group: dict[str, Any]
     ) -> None:
-        """:func:`update.apply_update` for every matrix of ``chunk`` as foreach ops."""
+        """:func:`update.apply_update` for every matrix of ``chunk`` as foreach ops; each
+        slice of the orthogonalized batch ``orthos`` is brought to the masters' dtype and
+        layout by one copy (not one per matrix)."""
         for part in self._slices(chunk):
+            steps = orthos[part.start : part.stop].to(
+                chunk[0].dtype, memory_format=torch.contiguous_format
+            )
             update.apply_updates(
                 [chunk[i].data for i in part],
-                [orthos[i] for i in part],
+                list(steps.unbind(0)),
                 lr=group["lr"],
                 weight_decay=group["weight_decay"],
                 adjust_lr_fn=group["adjust_lr_fn"],
