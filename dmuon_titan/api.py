@@ -164,8 +164,8 @@ def dedicate_params(
             _check_same_plan_everywhere(fingerprint, m)
     install_fully_shard_patch()  # fully_shard / replicate now skip dedicated parameters
     install_replicate_patch()
-    if tp_mesh is not None:  # parallelize_module records dedicated placements instead
-        install_tensor_parallel_patch()
+    # parallelize_module records dedicated placements (and refuses them without tp_mesh)
+    install_tensor_parallel_patch()
     stacks = any(spec.stacked for spec in specs)
     where = mesh_info(mesh, replicate_mesh, grid=stacks, expert_mesh=expert_mesh, tp_mesh=tp_mesh)
     state = _build_runtime(model, plan, selected, modules, where, moved_by, options)

@@ -218,6 +218,12 @@ class DedicatedParam:
         with this rank's shard."""
         from torch.distributed.tensor import Shard
 
+        if self.tp_mesh is None and mesh.size() == 1:
+            raise ValueError(
+                f"dedicated parameter {self.fqn!r} is being tensor-parallelized on a 1-rank "
+                "mesh: at tensor-parallel degree 1 leave parallelize_module out (torchtitan "
+                "does), DMuon then serves the matrix as a data-parallel one"
+            )
         if self.tp_mesh is None:
             raise ValueError(
                 f"dedicated parameter {self.fqn!r} is being tensor-parallelized on a "

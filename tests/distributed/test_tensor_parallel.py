@@ -11,7 +11,7 @@ import torch
 from tests.helpers import relative_errors
 from tests.helpers.harness import run_ranks
 from tests.helpers.scenarios import resume_load, resume_save
-from tests.helpers.tensor_parallel import train_tp_counted
+from tests.helpers.tensor_parallel import tp_refusals, train_tp_counted
 from tests.helpers.training import TP_PLAN, RunConfig, initial_state, train_reference, with_
 
 EXACT = RunConfig(steps=5, param_dtype=torch.float64, ns_dtype=torch.float64, tp=2)
@@ -109,3 +109,23 @@ def test_full_state_dicts_move_between_tensor_parallel_layouts():
                 assert torch.equal(loaded["optim"]["state"][k][name], t), (world, k, name)
         errors = relative_errors(loaded["final"], saved["final"], init)
         assert max(errors.values()) <= 1e-12, world
+
+
+def test_tensor_parallel_mistakes_are_refused_naming_the_parameter():
+    """On dp 1 x tp 2: tensor parallelism without tp_mesh, a dedicated matrix replicated by
+    a style, one left out of the plan, and one whose sharded dim the degree does not divide
+    each raise one ValueError naming the parameter and the fix, on every rank."""
+    results = run_ranks(tp_refusals, 2)
+    assert results[0] == results[1]
+    messages = results[0]
+    expected = {
+        "no tp_mesh": ("'layers.0.attention.wq.weight'", "pass tp_mesh="),
+        "replicated": ("'layers.0.attention.wq.weight'", "Shard(0) (colwise) or Shard(1)"),
+        "not in the plan": ("'layers.0.attention.wq.weight' was not tensor-parallelized",),
+        "indivisible": ("'layers.0.weight'", "not divisible by the tensor-parallel degree 2"),
+    }
+    assert sorted(messages) == sorted(expected)
+    for name, parts in expected.items():
+        for part in parts:
+            assert part in messages[name], (name, messages[name])
+        assert "\n" not in messages[name]

@@ -50,3 +50,80 @@ def train_tp_counted(rank: int, world_size: int, configs: list[RunConfig]) -> li
         )
         dist.barrier()
     return out
+
+
+def tp_refusals(rank: int, world_size: int) -> dict[str, str]:
+    """Each mistake of a tensor-parallel setup on dp 1 x tp ``world_size``: the message of
+    the ``ValueError`` it raised (every rank raises it, before any DMuon collective)."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    from .models import ToyTransformer, dedicated_predicate, loss_fn
+    from .training import apply_tp
+
+    world = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    messages: dict[str, str] = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except ValueError as err:
+            messages[name] = str(err)
+
+    def model():
+        with torch.device("meta"):
+            return ToyTransformer()
+
+    def dedicated(m, tp=True):
+        dmuon.dedicate_params(
+            m, world["dp"], dedicated_predicate, tp_mesh=world["tp"] if tp else None
+        )
+        return m
+
+    attempt("no tp_mesh", lambda: apply_tp(dedicated(model(), tp=False), world["tp"]))
+    attempt(
+        "replicated",
+        lambda: parallelize_module(
+            dedicated(model()).layers[0].attention.wq, world["tp"], SequenceParallel()
+        ),
+    )
+
+    def untouched():
+        m = dedicated(model())
+        for i, layer in enumerate(m.layers):
+            if i:
+                apply_tp_layer(layer)
+        m.to_empty(device="cpu")
+        m.init_weights()
+        tokens = torch.zeros(2, 4, dtype=torch.long)
+        loss_fn(m(tokens), tokens).backward()
+
+    def apply_tp_layer(layer):
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        from .training import TP_PLAN
+
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        parallelize_module(layer, world["tp"], {n: styles[s]() for n, s in TP_PLAN.items()})
+
+    attempt("not in the plan", untouched)
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(32, 33 * 2 - 1, bias=False)])
+
+    def odd():
+        with torch.device("meta"):
+            m = Odd()
+        dmuon.dedicate_params(m, world["dp"], lambda n, p: True, tp_mesh=world["tp"])
+        parallelize_module(m.layers[0], world["tp"], ColwiseParallel())
+
+    attempt("indivisible", odd)
+    return messages
