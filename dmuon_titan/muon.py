@@ -34,8 +34,9 @@ PLAIN_NS_UNBATCHED_NUMEL = 4096 * 4096
 #: this size a kernel's launch (Triton's launcher: ~50 µs of host time) outweighs its pass,
 #: and a one-GPU step of a small model is host-bound (docs/benchmarks.md, "Small scale").
 GROUPED_PASS_NUMEL = 1 << 22
-#: elements per foreach group of those passes (bounds their full-precision temporaries)
-GROUPED_PASS_SLICE_NUMEL = 1 << 24
+#: elements per foreach group of those passes (bounds their full-precision temporaries, 256
+#: MiB in float32; fewer groups, fewer launches)
+GROUPED_PASS_SLICE_NUMEL = 1 << 26
 
 
 class Muon(torch.optim.Optimizer):
