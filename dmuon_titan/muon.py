@@ -22,6 +22,7 @@ from . import fused, newton_schulz, update
 from .options import DEFAULT_NS_BATCH_NUMEL, MuonOptions
 from .runtime.owned_param import is_dedicated
 from .runtime.state import STATE_ATTR, DMuonState
+from .step_graph import MuonStepGraph, StepScalars
 from .timing import PhaseTimer
 
 #: Plain NS (cuBLAS, ``ns_algorithm="plain"``) of a matrix this large already runs near the
@@ -66,6 +67,11 @@ class Muon(torch.optim.Optimizer):
             one with fewer FLOPs). ``"gram"``/``"auto"`` run their symmetric products by the
             Triton kernel of :mod:`dmuon_titan.symmetric` on CUDA (bf16/fp16); ``"plain"``
             is always torch.optim.Muon's operations. See ``newton_schulz.orthogonalize``.
+        cuda_graph: on one rank on a GPU (DMuon's direct path: a single-device model), run
+            the matrices' step as one captured CUDA graph after a first eager step
+            (:mod:`dmuon_titan.step_graph`): a small model's step is host-bound and the
+            Muon step launches far more kernels than fused AdamW. The step's timings then
+            report no separate ``ns`` phase. ``False``: always eager.
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class Muon(torch.optim.Optimizer):
         adamw_fused: bool | None = None,
         ns_batch_numel: int = DEFAULT_NS_BATCH_NUMEL,
         ns_algorithm: str | None = None,
+        cuda_graph: bool = True,
     ) -> None:
         options = MuonOptions(
             lr=lr,
@@ -110,6 +117,7 @@ class Muon(torch.optim.Optimizer):
             adamw_fused=adamw_fused,
             ns_batch_numel=ns_batch_numel,
             ns_algorithm=ns_algorithm,
+            cuda_graph=cuda_graph,
         )
         self._dmuon: DMuonState | None = getattr(model, STATE_ATTR, None)
         planned = self._dmuon.plan.ns_algorithm if self._dmuon is not None else "plain"
@@ -143,6 +151,8 @@ class Muon(torch.optim.Optimizer):
         device = self._dmuon.device if self._dmuon else next(model.parameters()).device
         #: Per-step phase times ("optimizer", "ns", "adamw"); read with :meth:`step_timings`.
         self.timer = PhaseTimer(device)
+        #: the captured step of the matrices (one rank on a GPU; see ``cuda_graph``)
+        self.step_graph = MuonStepGraph()
         self.register_step_pre_hook(Muon._before_step)
         self.register_step_post_hook(Muon._after_step)
 
@@ -231,11 +241,46 @@ class Muon(torch.optim.Optimizer):
             if p.ndim == 3:
                 self._step_stack(p, group, coefficients)
         todo = [p for p in todo if p.ndim == 2]
+        if self._graph_eligible(group, todo):
+            buffers = [self._momentum_buffer(p) for p in todo]
+
+            def body(scalars: StepScalars) -> None:
+                self._step_matrices(group, todo, coefficients, scalars)
+
+            if self.step_graph.run(group, todo, buffers, body):
+                return
+        self._step_matrices(group, todo, coefficients)
+
+    def _graph_eligible(self, group: dict[str, Any], todo: list[torch.Tensor]) -> bool:
+        """Whether the matrices' step may run as a CUDA graph (see ``cuda_graph``): the
+        direct path on a GPU, every matrix a plain tensor of one dtype, not float16 NS."""
+        return (
+            self.options.cuda_graph
+            and bool(todo)
+            and self._dmuon is not None
+            and self._dmuon.direct
+            and todo[0].device.type == "cuda"
+            and group["ns_dtype"] != torch.float16
+            and len({p.dtype for p in todo}) == 1
+            and all(type(p.grad) is torch.Tensor and type(p.data) is torch.Tensor for p in todo)
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def _step_matrices(
+        self,
+        group: dict[str, Any],
+        todo: list[torch.Tensor],
+        coefficients,
+        scalars: StepScalars | None = None,
+    ) -> None:
+        """Momentum, NS and the update of the 2-D matrices ``todo``, chunk by chunk. With
+        ``scalars`` (a captured step) every chunk takes the grouped passes and the
+        lr-dependent factors come from those device scalars."""
         for chunk in ns_chunks(todo, self.ns_batch_numel, self.ns_unbatched_numel):
-            grouped = self._grouped(chunk, group)
-            out = self._orthogonalize(chunk, group, coefficients, grouped)
+            grouped = scalars is not None or self._grouped(chunk, group)
+            out = self._orthogonalize(chunk, group, coefficients, grouped, timed=scalars is None)
             if grouped:
-                self._grouped_update(chunk, out, group)
+                self._grouped_update(chunk, out, group, scalars)
                 del out
                 continue
             orthos = [out] if len(chunk) == 1 else out.unbind(0)
@@ -273,7 +318,12 @@ class Muon(torch.optim.Optimizer):
             )
 
     def _orthogonalize(
-        self, chunk: list[torch.Tensor], group: dict[str, Any], coefficients, grouped: bool
+        self,
+        chunk: list[torch.Tensor],
+        group: dict[str, Any],
+        coefficients,
+        grouped: bool,
+        timed: bool = True,
     ) -> torch.Tensor:
         """Momentum step + NS of one chunk of same-shape matrices: the orthogonalized batch
         (``[len(chunk), *shape]``; one matrix alone for a chunk of one). The directions are
@@ -288,13 +338,15 @@ class Muon(torch.optim.Optimizer):
             device=chunk[0].device,
         )
         if grouped:
-            self._grouped_directions(chunk, group, batch)
+            self._grouped_directions(chunk, group, batch.unsqueeze(0) if single else batch)
         else:
             for i, p in enumerate(chunk):
                 self._write_direction(p, group, batch if single else batch[i])
-        self.timer.start("ns")
+        if timed:  # (no events inside a captured graph)
+            self.timer.start("ns")
         orthos = newton_schulz.orthogonalize(batch, *args, overwrite_input=True)
-        self.timer.stop("ns")
+        if timed:
+            self.timer.stop("ns")
         return orthos
 
     def _grouped(self, chunk: list[torch.Tensor], group: dict[str, Any]) -> bool:
@@ -329,15 +381,28 @@ class Muon(torch.optim.Optimizer):
             )
 
     def _grouped_update(
-        self, chunk: list[torch.Tensor], orthos: torch.Tensor, group: dict[str, Any]
+        self,
+        chunk: list[torch.Tensor],
+        orthos: torch.Tensor,
+        group: dict[str, Any],
+        scalars: StepScalars | None = None,
     ) -> None:
         """:func:`update.apply_update` for every matrix of ``chunk`` as foreach ops; each
-        slice of the orthogonalized batch ``orthos`` is brought to the masters' dtype and
-        layout by one copy (not one per matrix)."""
+        slice of the orthogonalized batch ``orthos`` (one matrix: the matrix) is brought to
+        the masters' dtype and layout by one copy (not one per matrix). With ``scalars``
+        the decay and step are device scalars: multiply, then add."""
+        if orthos.ndim == 2:
+            orthos = orthos.unsqueeze(0)
         for part in self._slices(chunk):
             steps = orthos[part.start : part.stop].to(
                 chunk[0].dtype, memory_format=torch.contiguous_format
             )
+            if scalars is not None:
+                params = [chunk[i].data for i in part]
+                torch._foreach_mul_(params, scalars.decay)
+                steps.mul_(scalars.neg_step(chunk[0].shape))
+                torch._foreach_add_(params, list(steps.unbind(0)))
+                continue
             update.apply_updates(
                 [chunk[i].data for i in part],
                 list(steps.unbind(0)),

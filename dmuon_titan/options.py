@@ -112,9 +112,11 @@ class MuonOptions:
     adamw_fused: bool | None = None
     ns_batch_numel: int = DEFAULT_NS_BATCH_NUMEL
     ns_algorithm: str | None = None
+    cuda_graph: bool = True
 
     def __post_init__(self) -> None:
         check = _Checks("Muon", self)
+        check.boolean("cuda_graph")
         if self.adamw_lr is None:
             if self.adjust_lr_fn != "match_rms_adamw":
                 raise check.fail(

@@ -132,6 +132,12 @@ class DMuon:
     in chunks of at most this many elements; 0 runs one matrix at a time. Larger chunks run
     small matrices nearer the matmul rate and cost a few NS-dtype buffers of that size."""
 
+    cuda_graph: bool = True
+    """On one GPU (a single-rank job), run the Muon matrices' step as one captured CUDA graph
+    after a first eager step: a small model's step is host-bound and Muon launches far more
+    kernels than fused AdamW. The logged ``ns`` time is then 0 (inside the graph). false:
+    always eager."""
+
     def __post_init__(self) -> None:
         validate(self)
 
@@ -170,6 +176,7 @@ class DMuon:
             adamw_fused=optimizer.implementation == "fused",
             ns_batch_numel=self.ns_batch_numel,
             ns_algorithm=self.ns_algorithm,
+            cuda_graph=self.cuda_graph,
         )
 
 

@@ -87,6 +87,7 @@ class RunConfig:
     optimizer_first: bool = False  # build Muon after fully_shard but before to_empty
     ep: int = 1  # expert parallelism ("grouped_moe"): ranks (fsdp // ep, ep), experts cut by ep
     tp: int = 1  # tensor parallelism: ranks (replicate, shard, tp), the blocks colwise/rowwise
+    cuda_graph: bool = True  # Muon(cuda_graph=...): one rank on a GPU captures the step
 
 
 #: MoE data: the expert residues (token % 4) each block of rows may use. Whatever the world
@@ -314,6 +315,7 @@ def build_optimizer(cfg: RunConfig, model) -> dmuon.Muon:
         adamw_betas=(0.9, 0.95),
         adamw_eps=1e-8,
         adamw_weight_decay=cfg.weight_decay,
+        cuda_graph=cfg.cuda_graph,
     )
 
 

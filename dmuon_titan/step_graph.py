@@ -1,0 +1,135 @@
+"""A CUDA graph of the Muon group's step on one rank.
+
+A small model's training step on one GPU is host-bound: the GPU waits while Python launches
+kernels, and the Muon step launches over a hundred (momentum, Newton–Schulz, update per
+same-shape chunk) where fused AdamW launches about ten. Captured once, the whole Muon step
+is one graph launch, whatever its number of kernels.
+
+What a replay reads and writes must stay where it was at capture: the masters, their
+gradients (torch allocates them anew each backward, but a steady training loop gets the
+same blocks back), the momentum buffers. Each step compares those addresses and the
+hyper-parameters baked into the graph with the capture's; on any difference the step is
+captured again, and when that happens more than once in ``REPLAYS_PER_CAPTURE`` steps the
+graph is given up for good (eager steps from then on). The learning rate and weight decay are not baked in: they enter through device scalars
+refreshed before each replay (LR schedules keep working). The update ``p·decay − step·o``
+then runs as two foreach passes (multiply, add) rather than one fused multiply-add, which
+may round the last bit differently from the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import update
+
+logger = logging.getLogger(__name__)
+
+#: captures allowed before the rate rule below applies
+MAX_RECAPTURES = 3
+#: beyond those, at least this many replays per capture, or the graph is given up: the
+#: occasional move (after a validation pass, say) is recaptured, addresses that move every
+#: few steps make capture a loss
+REPLAYS_PER_CAPTURE = 20
+
+
+class StepScalars:
+    """Device scalars the captured step reads for the lr-dependent factors: the decay
+    ``1 − lr·wd`` and, per matrix shape, ``−adjusted_lr``. Refreshed by kernel launches
+    (``fill_``), never by host-to-device copies that could race with the GPU."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self.decay = torch.ones((), device=device, dtype=dtype)
+        self.neg_steps: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def neg_step(self, shape) -> torch.Tensor:
+        key = tuple(shape)
+        if key not in self.neg_steps:
+            self.neg_steps[key] = torch.zeros((), device=self.device, dtype=self.dtype)
+        return self.neg_steps[key]
+
+    def refresh(self, group: dict[str, Any]) -> None:
+        self.decay.fill_(1 - group["lr"] * group["weight_decay"])
+        for shape, value in self.neg_steps.items():
+            value.fill_(-update.adjusted_lr(group["lr"], group["adjust_lr_fn"], shape))
+
+
+class MuonStepGraph:
+    """Capture and replay of one Muon group's step (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.key: tuple | None = None
+        self.scalars: StepScalars | None = None
+        #: the first step runs the same kernels eagerly (JIT compiles, library handles)
+        self.warmed = False
+        self.captures = 0
+        self.replays = 0
+        self.disabled = False
+
+    @staticmethod
+    def _key(group: dict[str, Any], params: list[torch.Tensor], buffers) -> tuple:
+        baked = tuple(
+            str(group[k]) for k in ("momentum", "nesterov", "ns_steps", "eps", "ns_dtype")
+        ) + (str(group["ns_coefficients"]), str(group["adjust_lr_fn"]))
+        return baked + tuple(
+            (p.data_ptr(), p.grad.data_ptr(), b.data_ptr(), tuple(p.shape), p.grad.dtype)
+            for p, b in zip(params, buffers, strict=True)
+        )
+
+    def run(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        buffers: list[torch.Tensor],
+        body: Callable[[StepScalars], None],
+    ) -> bool:
+        """Run the step by the graph (capturing it first if needed); ``False``: it was
+        not (the caller steps eagerly). ``body(scalars)`` issues the step's kernels."""
+        if self.disabled:
+            return False
+        if self.scalars is None:
+            self.scalars = StepScalars(params[0].device, params[0].dtype)
+        for p in params:  # (made before any capture: the graph reads them)
+            self.scalars.neg_step(p.shape)
+        self.scalars.refresh(group)
+        if not self.warmed:
+            body(self.scalars)
+            self.warmed = True
+            return True
+        key = self._key(group, params, buffers)
+        if self.graph is None or key != self.key:
+            if (
+                self.captures > MAX_RECAPTURES
+                and self.replays < REPLAYS_PER_CAPTURE * self.captures
+            ):
+                self.disabled, self.graph = True, None
+                logger.warning(
+                    f"DMuon: the Muon step's tensors moved {self.captures} times in "
+                    f"{self.replays} steps; stepping without a CUDA graph from here on"
+                )
+                return False
+            self.graph, self.key = self._capture(body), key
+            self.captures += 1
+        self.graph.replay()
+        self.replays += 1
+        return True
+
+    def _capture(self, body: Callable[[StepScalars], None]) -> torch.cuda.CUDAGraph:
+        """Record ``body`` on a side stream (as ``torch.cuda.graph`` does, without its
+        synchronize and cache flush, which would move the next gradients elsewhere)."""
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin()
+            try:
+                body(self.scalars)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return graph
