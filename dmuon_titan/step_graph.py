@@ -126,7 +126,7 @@ class MuonStepGraph:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            graph.capture_begin()
+            graph.capture_begin(capture_error_mode="thread_local")  # (other threads: theirs)
             try:
                 body(self.scalars)
             finally:
