@@ -5,6 +5,8 @@ Skipped cleanly without CUDA; run on one H200 (result in docs/benchmarks.md)."""
 import pytest
 import torch
 
+import dmuon_titan as dmuon
+
 from ..helpers import relative_errors
 from ..helpers.harness import run_ranks
 from ..helpers.training import (
@@ -31,7 +33,7 @@ def graph_and_eager(rank: int, world_size: int, configs: list[RunConfig]) -> lis
         record = optimizer.step_graph
         out.append(
             {
-                "weights": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                "weights": dmuon.get_model_state_dict(model),  # (FSDP2's DTensors made whole)
                 "direct": model._dmuon_state.direct,
                 "captures": record.captures,
                 "replays": record.replays,

@@ -229,5 +229,19 @@ def test_what_expert_stacks_do_not_serve_yet_is_one_line(name, job, ep, key):
 
     model = _meta_model(name, "debugmodel")
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
-        check_stacks(job, SimpleNamespace(ep=ep), model, muon_predicate([], model))
-    check_stacks(_job(), SimpleNamespace(ep=1), model, muon_predicate([], model))  # served
+        check_stacks(job, SimpleNamespace(ep=ep, tp=1), model, muon_predicate([], model))
+    check_stacks(_job(), SimpleNamespace(ep=1, tp=1), model, muon_predicate([], model))  # served
+
+
+def test_expert_stacks_with_tensor_parallelism_are_one_line():
+    """Expert stacks in [dmuon] params with tensor parallelism: refused at conversion,
+    naming the key."""
+    from types import SimpleNamespace
+
+    from dmuon_titan.titan.config import ConfigError
+    from dmuon_titan.titan.converter import check_stacks
+    from dmuon_titan.titan.selection import muon_predicate
+
+    model = _meta_model("deepseek_v3", "debugmodel")
+    with pytest.raises(ConfigError, match="parallelism.tensor_parallel_degree = 2"):
+        check_stacks(_job(), SimpleNamespace(ep=1, tp=2), model, muon_predicate([], model))
