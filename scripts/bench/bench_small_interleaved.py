@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Small-model training and forward-only throughput, AdamW vs DMuon, interleaved in one process.
+
+A small model's step on one GPU is host-bound, and on a shared machine the host's speed
+drifts by more than the difference between the optimizers (docs/benchmarks.md, "Small
+scale"): runs one after another cannot resolve a few percent. Here every variant gets a
+model of the same flavor (torchtitan's llama3, same initial weights) and the same batches,
+and the variants take turns in blocks of ``--block`` steps (synchronized only at block ends,
+as torchtitan synchronizes at its logging steps), the order rotating each round, so drift
+hits all of them alike. Each round also times ``--block`` forward-only passes per variant
+(torchtitan's validation). Medians over the rounds, and ratios to AdamW, in one table.
+
+Variants: ``adamw`` (fused AdamW on everything), ``dmuon`` (DMuon's one-rank direct path:
+Muon on the default matrices, fused AdamW on the rest, the captured step), ``dmuon_eager``
+(the same, ``cuda_graph=False``), ``torch_muon`` (``torch.optim.Muon`` on the same matrices +
+fused AdamW). bf16 autocast on CUDA, as torchtitan's single-device training.
+
+    torchrun --standalone --nproc_per_node=1 scripts/bench/bench_small_interleaved.py --flavor 170M
+    torchrun --standalone --nproc_per_node=1 scripts/bench/bench_small_interleaved.py \\
+        --flavor debugmodel --batch 2 --seq 64 --rounds 2 --block 2   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import dmuon_titan as dmuon
+from dmuon_titan.toy.flavors import add_flavors
+
+VARIANTS = ("adamw", "dmuon", "dmuon_eager", "torch_muon")
+
+
+def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: float):
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    from dmuon_titan.titan.selection import muon_predicate
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(llama3_args[flavor])
+    predicate = muon_predicate([], model)
+    if variant.startswith("dmuon"):
+        mesh = init_device_mesh(device.type, (1,))
+        dmuon.dedicate_params(model, mesh, predicate)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    fused = {"fused": True} if device.type == "cuda" else {}
+    if variant.startswith("dmuon"):
+        optimizer = dmuon.Muon(
+            model,
+            lr=lr,
+            adamw_lr=adamw_lr,
+            adamw_fused=device.type == "cuda",
+            cuda_graph=variant == "dmuon",
+        )
+        return model, [optimizer]
+    if variant == "adamw":
+        return model, [
+            torch.optim.AdamW(model.parameters(), lr=adamw_lr, betas=(0.9, 0.95), **fused)
+        ]
+    matrices = [p for n, p in model.named_parameters() if predicate(n, p)]
+    chosen = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in chosen]
+    return model, [
+        torch.optim.Muon(matrices, lr=lr, weight_decay=0.1),
+        torch.optim.AdamW(rest, lr=adamw_lr, betas=(0.9, 0.95), **fused),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--flavor", default="170M")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--block", type=int, default=10, help="steps per turn")
+    parser.add_argument("--warmup-rounds", type=int, default=2)
+    args = parser.parse_args()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    add_flavors()
+    variants = args.variants.split(",")
+    runs = {v: build(v, args.flavor, device, 2e-3, 5e-4) for v in variants}
+    vocab = runs[variants[0]][0].vocab_size
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        torch.randint(0, vocab, (args.batch, args.seq + 1), generator=generator).to(device)
+        for _ in range(args.block)
+    ]
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda"
+        else contextlib.nullcontext()
+    )
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def train_block(model, optimizers) -> None:
+        for tokens in batches:
+            with autocast:
+                logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad()
+
+    @torch.no_grad()
+    def forward_block(model, _optimizers) -> None:
+        for tokens in batches:
+            with autocast:
+                model(tokens[:, :-1])
+
+    times: dict[str, dict[str, list[float]]] = {v: {"train": [], "forward": []} for v in variants}
+    for round_ in range(args.warmup_rounds + args.rounds):
+        order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
+        for kind, block in (("train", train_block), ("forward", forward_block)):
+            for v in order:
+                sync()
+                start = time.perf_counter()
+                block(*runs[v])
+                sync()
+                if round_ >= args.warmup_rounds:
+                    times[v][kind].append((time.perf_counter() - start) / args.block)
+    tokens = args.batch * args.seq
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(
+        f"llama3 {args.flavor}, 1 x {name}, {tokens} tokens a step, {args.rounds} rounds of "
+        f"{args.block} steps per variant (medians; ratio: AdamW's step time / the variant's)"
+    )
+    print(
+        "| variant | train step (ms) | train tok/s | vs AdamW | forward (ms) | forward tok/s | vs AdamW |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    base = (
+        {kind: statistics.median(times["adamw"][kind]) for kind in ("train", "forward")}
+        if "adamw" in times
+        else None
+    )
+    for v in variants:
+        row = [v]
+        for kind in ("train", "forward"):
+            t = statistics.median(times[v][kind])
+            ratio = f"{base[kind] / t:.3f}" if base else "-"
+            row += [f"{t * 1e3:.1f}", f"{tokens / t:,.0f}", ratio]
+        print("| " + " | ".join(row) + " |")
+    graphed = runs.get("dmuon")
+    if graphed is not None:
+        record = graphed[1][0].step_graph
+        print(
+            f"(dmuon's graph: {record.captures} capture(s), {record.replays} replays, "
+            f"given up: {record.disabled})"
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
