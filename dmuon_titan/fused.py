@@ -122,17 +122,11 @@ def momentum_directions_into(
 def decay_and_update_many_(
     params: list[Tensor], updates: list[Tensor], decay: float, step: float
 ) -> None:
-    """:func:`decay_and_update_` for lists of same-dtype parameters as foreach ops, each
-    update brought to its parameter's dtype and layout first."""
-    dtype = params[0].dtype
-    steps = [
-        u
-        if u.dtype == dtype and u.is_contiguous()
-        else u.to(dtype, memory_format=torch.contiguous_format)
-        for u in updates
-    ]
+    """:func:`decay_and_update_` for lists of same-dtype parameters as foreach ops; the
+    updates already in the parameters' dtype and layout (the caller casts its whole batch
+    once, not matrix by matrix)."""
     torch._foreach_mul_(params, decay)
-    torch._foreach_add_(params, steps, alpha=-step)
+    torch._foreach_add_(params, updates, alpha=-step)
 
 
 def divide_(matrices: Tensor, norms: Tensor) -> Tensor:

@@ -394,17 +394,17 @@ class Muon(torch.optim.Optimizer):
         if orthos.ndim == 2:
             orthos = orthos.unsqueeze(0)
         for part in self._slices(chunk):
+            params = [chunk[i].data for i in part]
             steps = orthos[part.start : part.stop].to(
                 chunk[0].dtype, memory_format=torch.contiguous_format
             )
             if scalars is not None:
-                params = [chunk[i].data for i in part]
                 torch._foreach_mul_(params, scalars.decay)
                 steps.mul_(scalars.neg_step(chunk[0].shape))
                 torch._foreach_add_(params, list(steps.unbind(0)))
                 continue
             update.apply_updates(
-                [chunk[i].data for i in part],
+                params,
                 list(steps.unbind(0)),
                 lr=group["lr"],
                 weight_decay=group["weight_decay"],

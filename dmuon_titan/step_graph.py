@@ -10,8 +10,9 @@ gradients (torch allocates them anew each backward, but a steady training loop g
 same blocks back), the momentum buffers. Each step compares those addresses and the
 hyper-parameters baked into the graph with the capture's; on any difference the step is
 captured again, and when that happens more than once in ``REPLAYS_PER_CAPTURE`` steps the
-graph is given up for good (eager steps from then on). The learning rate and weight decay are not baked in: they enter through device scalars
-refreshed before each replay (LR schedules keep working). The update ``p·decay − step·o``
+graph is given up for good (eager steps from then on). The learning rate and weight decay
+are not baked in: they enter through device scalars refreshed before each replay (LR
+schedules keep working). The update ``p·decay − step·o``
 then runs as two foreach passes (multiply, add) rather than one fused multiply-add, which
 may round the last bit differently from the eager path.
 """
@@ -92,17 +93,19 @@ class MuonStepGraph:
         not (the caller steps eagerly). ``body(scalars)`` issues the step's kernels."""
         if self.disabled:
             return False
-        if self.scalars is None:
-            self.scalars = StepScalars(params[0].device, params[0].dtype)
-        for p in params:  # (made before any capture: the graph reads them)
-            self.scalars.neg_step(p.shape)
+        key = self._key(group, params, buffers)
+        recording = not self.warmed or self.graph is None or key != self.key
+        if recording:  # the scalars the recorded kernels read (a shape change records anew)
+            if self.scalars is None:
+                self.scalars = StepScalars(params[0].device, params[0].dtype)
+            for p in params:
+                self.scalars.neg_step(p.shape)
         self.scalars.refresh(group)
         if not self.warmed:
             body(self.scalars)
             self.warmed = True
             return True
-        key = self._key(group, params, buffers)
-        if self.graph is None or key != self.key:
+        if recording:
             if (
                 self.captures > MAX_RECAPTURES
                 and self.replays < REPLAYS_PER_CAPTURE * self.captures

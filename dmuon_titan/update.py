@@ -68,6 +68,7 @@ def apply_updates(
     weight_decay: float,
     adjust_lr_fn: str | None,
 ) -> None:
-    """:func:`apply_update` for same-shape whole matrices at once (foreach passes)."""
+    """:func:`apply_update` for same-shape whole matrices at once (foreach passes); the
+    ``orthos`` in the parameters' dtype and layout."""
     step = adjusted_lr(lr, adjust_lr_fn, params[0].shape)
     decay_and_update_many_(params, orthos, 1 - lr * weight_decay, step)

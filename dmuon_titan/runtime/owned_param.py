@@ -137,9 +137,9 @@ class DedicatedParam:
         self.tp_mesh = mesh.device_meshes[3] if mesh.tp_size > 1 else None
         self.tp_dim: int | None = None
         #: elements of ``unsharded`` (known before the placement: the degree divides a dim)
-        self.unsharded_numel = self.shape.numel() // self.tp_size if not self.stacked else 0
-        if self.stacked:
-            self.unsharded_numel = self.unsharded_shape.numel()
+        self.unsharded_numel = (
+            self.unsharded_shape.numel() if self.stacked else self.numel // self.tp_size
+        )
         #: with TP, on the ranks of the owner's shard column: this tp coordinate's shard of
         #: the master (made at lazy init, filled from the owner)
         self.tp_copy: torch.Tensor | None = None

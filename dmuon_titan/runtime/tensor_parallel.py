@@ -105,16 +105,10 @@ class TensorParallelExchange:
                 self.row[p.owner_tp_rank].append(p)
         self.owned = self.row[self.tp_rank]
 
-    @staticmethod
-    def _by_dtype(params: list[DedicatedParam], dtype_of) -> dict[torch.dtype, list]:
-        groups: dict[torch.dtype, list] = {}
-        for p in params:
-            groups.setdefault(dtype_of(p), []).append(p)
-        return dict(sorted(groups.items(), key=lambda item: str(item[0])))
-
     def dtypes(self, dtype_of) -> list[torch.dtype]:
-        """Every dtype of the row's matrices (the same list on every rank of the row)."""
-        return list(self._by_dtype([p for part in self.row for p in part], dtype_of))
+        """Every dtype of the row's matrices (the same list, in one order, on every rank of
+        the row)."""
+        return sorted({dtype_of(p) for part in self.row for p in part}, key=str)
 
     @torch.no_grad()
     def gather_grads(

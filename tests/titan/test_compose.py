@@ -148,25 +148,8 @@ def test_pipeline_parallel_resumes_and_loads_at_other_degrees(tokenizer_dir, tmp
     la, lb = tb_losses(a), tb_losses(b)
     assert [la[s] for s in range(4, 7)] == [lb[s] for s in range(4, 7)]
     # Its step-3 checkpoint at other degrees: identical weights and momentum.
-    saved = read_checkpoint(a / "checkpoint" / "step-3", tmp_path)
-    model_keys = [k for k, v in saved.items() if isinstance(v, torch.Tensor)]
-    momentum = [k for k in saved["optimizer"] if k.endswith(".momentum_buffer")]
-    assert "layers.5.feed_forward.w2.weight" in model_keys and len(momentum) == 6 * 7
-    reshard = ["--checkpoint.exclude_from_loading", "dataloader"]
-    for name, (n, extra) in {"pp2xdp1": (2, PP2), "pp1xdp2": (2, []), "pp1": (1, [])}.items():
-        probe = run_probe(
-            n,
-            tmp_path / f"probe-{name}.pt",
-            *toy_args(tokenizer_dir, a, *common, *extra, "--checkpoint.load_step", "3", *reshard),
-        )
-        assert probe["step"] == 3, name
-        assert sorted(probe["model"]) == sorted(model_keys), name
-        for k in model_keys:
-            assert torch.equal(probe["model"][k], saved[k]), (name, k)
-        loaded = optimizer_tensors(probe)
-        assert sum(key == "momentum_buffer" for _, key, _ in loaded) == 6 * 7, name
-        for fqn, key, value in loaded:
-            assert torch.equal(value, saved["optimizer"][f"state.{fqn}.{key}"]), (name, fqn, key)
+    layouts = {"pp2xdp1": (2, PP2), "pp1xdp2": (2, []), "pp1": (1, [])}
+    _check_loads_identically(tokenizer_dir, tmp_path, a, 3, common, layouts)
 
 
 @pytest.mark.slow
@@ -248,18 +231,23 @@ def test_tensor_parallel_equals_the_naive_path_resumes_and_loads_at_other_degree
     for step in range(1, 11):
         assert abs(la[step] - ln[step]) <= 1e-5, (step, la[step], ln[step])
     assert [la[s] for s in range(6, 11)] == [lb[s] for s in range(6, 11)]
-    saved = read_checkpoint(a / "checkpoint" / "step-5", tmp_path)
+    layouts = {"tp1xdp2": (2, []), "tp2xdp1": (2, TP2)}
+    _check_loads_identically(tokenizer_dir, tmp_path, a, 5, common, layouts)
+
+
+def _check_loads_identically(tokenizer_dir, tmp_path, dump, step: int, common, layouts) -> None:
+    """The toy's step-``step`` DCP checkpoint under ``dump``, loaded at each of ``layouts``
+    (name -> (ranks, overrides)), holds exactly the saved weights and momentum (torchtitan's
+    data loader state cannot change its data-parallel degree: left out)."""
+    saved = read_checkpoint(dump / "checkpoint" / f"step-{step}", tmp_path)
     model_keys = [k for k, v in saved.items() if isinstance(v, torch.Tensor)]
     momentum = [k for k in saved["optimizer"] if k.endswith(".momentum_buffer")]
     assert "layers.5.feed_forward.w2.weight" in model_keys and len(momentum) == 6 * 7
     reshard = ["--checkpoint.exclude_from_loading", "dataloader"]
-    for name, extra in {"tp1xdp2": [], "tp2xdp1": TP2}.items():
-        probe = run_probe(
-            2,
-            tmp_path / f"probe-{name}.pt",
-            *toy_args(tokenizer_dir, a, *common, *extra, "--checkpoint.load_step", "5", *reshard),
-        )
-        assert probe["step"] == 5, name
+    for name, (n, extra) in layouts.items():
+        args = [*common, *extra, "--checkpoint.load_step", str(step), *reshard]
+        probe = run_probe(n, tmp_path / f"probe-{name}.pt", *toy_args(tokenizer_dir, dump, *args))
+        assert probe["step"] == step, name
         assert sorted(probe["model"]) == sorted(model_keys), name
         for k in model_keys:
             assert torch.equal(probe["model"][k], saved[k]), (name, k)
