@@ -205,6 +205,29 @@ class Muon(torch.optim.Optimizer):
         self.timer.stop("optimizer")
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``, except for the matrices a held CUDA graph
+        steps (``cuda_graph``): their gradients are zeroed in place whatever
+        ``set_to_none`` says, so that the next backward accumulates where the graph reads."""
+        kept = {id(p) for p in self.step_graph.params}
+        if not kept:
+            return super().zero_grad(set_to_none)
+        grads = [p.grad for p in self.step_graph.params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in kept or p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+
     @staticmethod
     def _before_step(optimizer: Muon, _args, _kwargs) -> None:
         """A step pre-hook: current parameters, and the owners' gradients arrived."""

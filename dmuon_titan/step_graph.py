@@ -6,8 +6,11 @@ same-shape chunk) where fused AdamW launches about ten. Captured once, the whole
 is one graph launch, whatever its number of kernels.
 
 What a replay reads and writes must stay where it was at capture: the masters, their
-gradients (torch allocates them anew each backward, but a steady training loop gets the
-same blocks back), the momentum buffers. Each step compares those addresses and the
+gradients, the momentum buffers. Torch allocates gradients anew each backward after
+``zero_grad()``, and where they land depends on everything else allocated meanwhile (a
+validation pass, a second model): so while a graph is held, ``Muon.zero_grad`` zeroes the
+captured matrices' gradients in place instead of dropping them (one foreach pass), and
+backward accumulates into the same tensors. Each step compares those addresses and the
 hyper-parameters baked into the graph with the capture's; on any difference the step is
 captured again, and when that happens more than once in ``REPLAYS_PER_CAPTURE`` steps the
 graph is given up for good (eager steps from then on). The learning rate and weight decay
@@ -71,6 +74,8 @@ class MuonStepGraph:
         self.captures = 0
         self.replays = 0
         self.disabled = False
+        #: the matrices the held graph steps (their gradients must stay where they are)
+        self.params: list[torch.Tensor] = []
 
     @staticmethod
     def _key(group: dict[str, Any], params: list[torch.Tensor], buffers) -> tuple:
@@ -110,13 +115,14 @@ class MuonStepGraph:
                 self.captures > MAX_RECAPTURES
                 and self.replays < REPLAYS_PER_CAPTURE * self.captures
             ):
-                self.disabled, self.graph = True, None
+                self.disabled, self.graph, self.params = True, None, []
                 logger.warning(
                     f"DMuon: the Muon step's tensors moved {self.captures} times in "
                     f"{self.replays} steps; stepping without a CUDA graph from here on"
                 )
                 return False
             self.graph, self.key = self._capture(body), key
+            self.params = list(params)
             self.captures += 1
         self.graph.replay()
         self.replays += 1

@@ -12,7 +12,8 @@ hits all of them alike. Each round also times ``--block`` forward-only passes pe
 
 Variants: ``adamw`` (fused AdamW on everything), ``dmuon`` (DMuon's one-rank direct path:
 Muon on the default matrices, fused AdamW on the rest, the captured step), ``dmuon_eager``
-(the same, ``cuda_graph=False``), ``torch_muon`` (``torch.optim.Muon`` on the same matrices +
+(the same, ``cuda_graph=False``), ``dmuon_auto`` (``dmuon`` with ``ns_algorithm="auto"``: Gram NS
+and the symmetric kernel where they are faster; same math, other rounding), ``torch_muon`` (``torch.optim.Muon`` on the same matrices +
 fused AdamW). bf16 autocast on CUDA, as torchtitan's single-device training.
 
     torchrun --standalone --nproc_per_node=1 scripts/bench/bench_small_interleaved.py --flavor 170M
@@ -35,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon_titan as dmuon
 from dmuon_titan.toy.flavors import add_flavors
 
-VARIANTS = ("adamw", "dmuon", "dmuon_eager", "torch_muon")
+VARIANTS = ("adamw", "dmuon", "dmuon_eager", "dmuon_auto", "torch_muon")
 
 
 def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: float):
@@ -49,7 +50,8 @@ def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: 
     predicate = muon_predicate([], model)
     if variant.startswith("dmuon"):
         mesh = init_device_mesh(device.type, (1,))
-        dmuon.dedicate_params(model, mesh, predicate)
+        algorithm = "auto" if variant == "dmuon_auto" else "plain"
+        dmuon.dedicate_params(model, mesh, predicate, ns_algorithm=algorithm)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
@@ -60,7 +62,7 @@ def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: 
             lr=lr,
             adamw_lr=adamw_lr,
             adamw_fused=device.type == "cuda",
-            cuda_graph=variant == "dmuon",
+            cuda_graph=variant != "dmuon_eager",
         )
         return model, [optimizer]
     if variant == "adamw":
@@ -159,13 +161,13 @@ def main() -> None:
             ratio = f"{base[kind] / t:.3f}" if base else "-"
             row += [f"{t * 1e3:.1f}", f"{tokens / t:,.0f}", ratio]
         print("| " + " | ".join(row) + " |")
-    graphed = runs.get("dmuon")
-    if graphed is not None:
-        record = graphed[1][0].step_graph
-        print(
-            f"(dmuon's graph: {record.captures} capture(s), {record.replays} replays, "
-            f"given up: {record.disabled})"
-        )
+    for v in ("dmuon", "dmuon_auto"):
+        if v in runs:
+            record = runs[v][1][0].step_graph
+            print(
+                f"({v}'s graph: {record.captures} capture(s), {record.replays} replays, "
+                f"given up: {record.disabled})"
+            )
     dist.destroy_process_group()
 
 
