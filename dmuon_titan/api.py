@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .newton_schulz import column_block_width
 from .options import DedicateOptions
 from .plan import ParamSpec, plan_partition, select_boundaries
 from .plan.collectives import boundary_collectives
@@ -59,6 +60,7 @@ def dedicate_params(
     expert_mesh: DeviceMesh | None = None,
     allow_empty: bool = False,
     tp_mesh: DeviceMesh | None = None,
+    tp_ns: str = "auto",
 ) -> dict[str, Any] | None:
     """Give each selected matrix one owner rank and install the hooks that serve it.
 
@@ -118,6 +120,12 @@ def dedicate_params(
             the placements from ``parallelize_module``, nothing else to pass. Needed here,
             not discovered later, because the owners (and so what each rank stores) are
             decided by this call. Expert stacks cannot be combined with it yet.
+        tp_ns: with ``tp_mesh``, who runs each matrix's Newton–Schulz: ``"owner"`` (its
+            owner alone, on the whole matrix), ``"shared"`` (the tp ranks of the owner's row
+            together, each on a column block: plain NS, whatever ``ns_algorithm`` says, with
+            an m×m all-reduce and all-gather over the row per iteration), or ``"auto"``
+            (``"shared"`` where it is estimated faster: where there are too few matrices for
+            the owner slots, see :func:`dmuon_titan.plan.plan_partition`).
 
     Returns:
         :func:`summarize_plan` of the result (``None`` when nothing was selected).
@@ -129,6 +137,7 @@ def dedicate_params(
         small_param_numel=small_param_numel,
         ns_algorithm=ns_algorithm,
         collectives=collectives,
+        tp_ns=tp_ns,
     )
     _check_model_and_meshes(model, mesh, replicate_mesh, expert_mesh, tp_mesh)
     # Validate → plan → build the runtime → install hooks: every input error comes before the
@@ -152,6 +161,8 @@ def dedicate_params(
         shard_size * replicate_size * tp_size,
         small_param_numel=small_param_numel,
         ns_algorithm=ns_algorithm,
+        tp_size=tp_size,
+        tp_ns=tp_ns,
     )
     moved_by = boundary_collectives(plan, shard_size, collectives)
     # Everything that decides which collectives run must agree across ranks, or they hang.
@@ -210,7 +221,17 @@ def _build_runtime(
     boundary_paths = list(dict.fromkeys(spec.boundary for spec in plan.specs))
     boundary_index = {path: i for i, path in enumerate(boundary_paths)}
     params = [
-        DedicatedParam(i, spec.fqn, module, attr, p, owner, mesh, boundary_index[spec.boundary])
+        DedicatedParam(
+            i,
+            spec.fqn,
+            module,
+            attr,
+            p,
+            owner,
+            mesh,
+            boundary_index[spec.boundary],
+            shared_ns=plan.is_shared(i),
+        )
         for i, ((_, p, module, attr), spec, owner) in enumerate(
             zip(selected, plan.specs, plan.owners, strict=True)
         )
@@ -502,11 +523,16 @@ def summarize_plan(
     model: nn.Module,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    *,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    ns_steps: int = 5,
 ) -> dict[str, Any]:
     """JSON-friendly description of who owns what and what it costs, per step.
 
     Bytes use the compute/reduce dtypes resolved at the first forward (from the FSDP2
     mixed-precision policy); before that, pass them to get the figures of the coming run.
+    ``ns_dtype`` and ``ns_steps`` (:class:`~dmuon_titan.Muon`'s) size the traffic of a
+    shared Newton–Schulz (``tp_ns``).
     """
     state = get_state(model)
     plan, mesh = state.plan, state.mesh
@@ -523,6 +549,7 @@ def summarize_plan(
                 "fqn": p.fqn,
                 "shape": list(p.shape),
                 "owner": "sharded" if p.stacked else p.owner,
+                "shared_ns": p.shared_ns,
                 "boundary": state.groups[p.boundary_index].path,
                 "ns_flops": cost,
             }
@@ -540,12 +567,18 @@ def summarize_plan(
         ],
         "ns_flops_per_rank": plan.load_per_rank(),
         "imbalance": plan.imbalance(),
-        "bytes_per_rank_per_step": _bytes_per_step(state, param_dtype, reduce_dtype),
+        "bytes_per_rank_per_step": _bytes_per_step(
+            state, param_dtype, reduce_dtype, ns_dtype, ns_steps
+        ),
     }
 
 
 def _bytes_per_step(
-    state: DMuonState, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+    state: DMuonState,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    ns_steps: int = 5,
 ) -> dict[str, float]:
     """Bytes each collective phase moves per rank and step, averaged over every rank (the
     convention of :class:`~dmuon_titan.runtime.collectives.CommStats`).
@@ -553,7 +586,12 @@ def _bytes_per_step(
     With tensor parallelism (degree T) every rank moves its tp shard of each matrix (L =
     numel / T elements) in the data-parallel phases, and the owners' rows exchange the rest:
     ``tp_gather`` (gradient shards to the owner) and ``tp_scatter`` (the updated master's
-    shards back) each carry (T - 1) · L elements per matrix, over R · S · T ranks."""
+    shards back) each carry (T - 1) · L elements per matrix, over R · S · T ranks.
+    ``tp_ns``, per matrix whose Newton–Schulz its row shares (m its short side, w the
+    column block width ⌈long / T⌉, p = ⌈m / T⌉ rows of the update per rank, s the NS dtype's
+    size, a 4 bytes, 8 for float64 NS): (T - 1) · (2·m·w·s + a + ns_steps · (m²·a + T·p·m·s))
+    in all — the blocks out and back, the norm, and per iteration the Gram all-reduce and
+    the update all-gather — over R · S · T ranks."""
     shard, replicas, tp = state.mesh.shard_size, state.mesh.replicate_size, state.mesh.tp_size
 
     def param_size(p) -> int:
@@ -597,6 +635,18 @@ def _bytes_per_step(
         "replicate_broadcast": master_bytes * across,
         "tp_gather": (tp - 1) * reduce_bytes / world,
         "tp_scatter": (tp - 1) * master_bytes / world,
+        "tp_ns": 0.0,
     }
+    size = ns_dtype.itemsize
+    acc = 8 if ns_dtype == torch.float64 else 4
+    for p in matrices:
+        if p.shared_ns:
+            m = min(p.shape)
+            width, per = column_block_width(p.shape, tp), -(-m // tp)
+            per_step["tp_ns"] += (
+                (tp - 1)
+                * (2 * m * width * size + acc + ns_steps * (m * m * acc + tp * per * m * size))
+                / world
+            )
     per_step["total"] = sum(per_step.values())
     return per_step

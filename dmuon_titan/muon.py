@@ -20,7 +20,7 @@ from torch.optim.adamw import adamw
 
 from . import fused, newton_schulz, update
 from .options import DEFAULT_NS_BATCH_NUMEL, MuonOptions
-from .runtime.owned_param import is_dedicated
+from .runtime.owned_param import dedicated_of, is_dedicated
 from .runtime.state import STATE_ATTR, DMuonState
 from .step_graph import MuonStepGraph, StepScalars
 from .timing import PhaseTimer
@@ -264,6 +264,11 @@ class Muon(torch.optim.Optimizer):
             if p.ndim == 3:
                 self._step_stack(p, group, coefficients)
         todo = [p for p in todo if p.ndim == 2]
+        shared = self._dmuon.shared_ns if self._dmuon is not None else None
+        if shared is not None:  # (every rank: the row's NS is collective)
+            mine = [p for p in todo if dedicated_of(p).shared_ns]
+            todo = [p for p in todo if not dedicated_of(p).shared_ns]
+            self._step_shared(group, mine, coefficients, shared)
         if self._graph_eligible(group, todo):
             buffers = [self._momentum_buffer(p) for p in todo]
 
@@ -318,6 +323,33 @@ class Muon(torch.optim.Optimizer):
                     shape=p.shape,
                 )
             del orthos, out  # NS's output for the chunk: free it before the next chunk
+
+    def _step_shared(
+        self, group: dict[str, Any], params: list[torch.Tensor], coefficients, shared
+    ) -> None:
+        """Momentum step and update of the shared matrices this rank owns (``params``), their
+        Newton–Schulz computed by the row together (``runtime/shared_ns.py``)."""
+        dtype = group["ns_dtype"]
+        inputs = {}
+        for p in params:
+            inputs[dedicated_of(p).index] = direction = torch.empty(
+                p.shape, dtype=dtype, device=p.device
+            )
+            self._write_direction(p, group, direction)
+        self.timer.start("ns")
+        orthos = shared.orthogonalize(inputs, coefficients, group["ns_steps"], group["eps"], dtype)
+        self.timer.stop("ns")
+        del inputs
+        for p in params:
+            target, ortho = self._scatter(p, orthos.pop(dedicated_of(p).index))
+            update.apply_update(
+                target,
+                ortho,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                adjust_lr_fn=group["adjust_lr_fn"],
+                shape=p.shape,
+            )
 
     def _step_stack(self, p: torch.Tensor, group: dict[str, Any], coefficients) -> None:
         """Muon on each matrix of a stack (this rank's experts): the momentum step and the

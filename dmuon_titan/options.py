@@ -18,7 +18,7 @@ import torch
 from .newton_schulz import JORDAN_COEFFICIENTS, Coefficients, normalize_coefficients
 from .plan.collectives import BOUNDARY_COLLECTIVES
 from .plan.cost import NS_ALGORITHMS
-from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL
+from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL, TP_NS_MODES
 from .update import ADJUST_LR_FNS
 
 #: Default chunk of batched Newton–Schulz: 2**27 elements (256 MiB in bf16, plus NS's own
@@ -79,9 +79,11 @@ class DedicateOptions:
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL
     ns_algorithm: str = "plain"
     collectives: str = "broadcast"
+    tp_ns: str = "auto"
 
     def __post_init__(self) -> None:
         check = _Checks("dedicate_params", self)
+        check.choice("tp_ns", TP_NS_MODES)
         for name in ("hook_boundary_strict", "reshard_after_forward", "replicate_async"):
             check.boolean(name)
         check.integer("small_param_numel", 0)

@@ -2,10 +2,11 @@
 
 from .boundary import default_boundary, select_boundaries
 from .collectives import BOUNDARY_COLLECTIVES, choose_boundary_collectives
-from .partition import ParamSpec, Plan, plan_partition
+from .partition import TP_NS_MODES, ParamSpec, Plan, plan_partition
 
 __all__ = [
     "BOUNDARY_COLLECTIVES",
+    "TP_NS_MODES",
     "ParamSpec",
     "Plan",
     "choose_boundary_collectives",

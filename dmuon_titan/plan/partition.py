@@ -14,6 +14,7 @@ first; the 2-D matrices are placed by LPT on top of them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,27 @@ from .cost import check_ns_algorithm, orthogonalize_flops
 #: Matrices with at most this many elements are "small": all small matrices of one boundary
 #: go to a single owner so the boundary issues one collective for them instead of many.
 DEFAULT_SMALL_PARAM_NUMEL = 1 << 16
+
+#: Who runs a tensor-parallel matrix's Newton–Schulz (:func:`plan_partition`'s ``tp_ns``)
+TP_NS_MODES = ("auto", "owner", "shared")
+
+#: ``tp_ns="auto"``'s exchange rate between a row's traffic and NS FLOPs: the FLOPs one
+#: byte of it costs, an H200's achieved bf16 NS rate (≈ 600 TFLOP/s, docs/benchmarks.md)
+#: over the achieved bandwidth of a tp link (≈ 300 GB/s of NVLink)
+SHARED_NS_FLOPS_PER_BYTE = 2000
+
+
+def shared_ns_bytes(shape: Sequence[int], tp_size: int, ns_steps: int = 5) -> int:
+    """Bytes one rank of a row moves to share the NS of a ``shape`` matrix over its
+    ``tp_size`` ranks (bf16 NS): its column block in and its result out, then per iteration
+    a ring all-reduce of the float32 m×m Gram matrix (2·(T−1)/T of it) and an all-gather of
+    the bf16 m×m update ((T−1)/T of it)."""
+    from ..newton_schulz import column_block_width
+
+    m = min(int(shape[-2]), int(shape[-1]))
+    blocks = 2 * m * column_block_width(shape, tp_size) * 2
+    return blocks + ns_steps * (tp_size - 1) * m * m * (2 * 4 + 2) // tp_size
+
 
 #: ``Plan.owners`` entry of a stack: owned piece by piece, by every slot (:func:`stack_pieces`).
 SHARDED = -1
@@ -75,13 +97,28 @@ class Plan:
     costs: tuple[int, ...]
     #: the NS algorithm the costs are FLOPs of (see ``dmuon_titan.plan.cost.NS_ALGORITHMS``)
     ns_algorithm: str = "plain"
+    #: tensor-parallel degree T: slots ``row · T + t``, a row being T consecutive slots
+    tp_size: int = 1
+    #: per spec: its Newton–Schulz is shared by the T ranks of its owner's row (plain NS on
+    #: column blocks, ``newton_schulz.orthogonalize_column_blocks``), not run by the owner
+    #: alone; empty: shared by none
+    shared: tuple[bool, ...] = ()
+
+    def is_shared(self, i: int) -> bool:
+        return bool(self.shared) and self.shared[i]
 
     def load_per_rank(self) -> list[int]:
         loads = [0] * self.world_size
-        for spec, owner, cost in zip(self.specs, self.owners, self.costs, strict=True):
+        for i, (spec, owner, cost) in enumerate(
+            zip(self.specs, self.owners, self.costs, strict=True)
+        ):
             if owner == SHARDED:
                 for k, share in enumerate(_piece_costs(spec, cost, self.world_size)):
                     loads[k] += share
+            elif self.is_shared(i):
+                row = owner - owner % self.tp_size
+                for k in range(row, row + self.tp_size):
+                    loads[k] += cost // self.tp_size
             else:
                 loads[owner] += cost
         return loads
@@ -96,8 +133,9 @@ class Plan:
         """A 63-bit digest of everything that decides a collective (the plan, and ``extra``:
         the caller's other collective-deciding choices); equal inputs, equal digests."""
         h = hashlib.sha256(str(self.world_size).encode())
-        for spec, owner in zip(self.specs, self.owners, strict=True):
-            h.update(f"|{spec.fqn}:{spec.shape}:{spec.boundary}:{owner}".encode())
+        for i, (spec, owner) in enumerate(zip(self.specs, self.owners, strict=True)):
+            shared = ":shared" if self.is_shared(i) else ""
+            h.update(f"|{spec.fqn}:{spec.shape}:{spec.boundary}:{owner}{shared}".encode())
         for item in extra:
             h.update(f"|{item}".encode())
         return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
@@ -112,6 +150,69 @@ class _Unit:
 
 
 def plan_partition(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    *,
+    small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
+    ns_algorithm: str = "plain",
+    tp_size: int = 1,
+    tp_ns: str = "owner",
+) -> Plan:
+    """Assign an owner slot to every spec (:func:`plan_owners`); with tensor parallelism
+    (``world_size`` slots = rows × ``tp_size``) ``tp_ns`` decides who runs Newton–Schulz:
+
+    - ``"owner"``: each matrix's owner alone.
+    - ``"shared"``: the T ranks of its owner's row together (each 1/T of it, plain NS on
+      column blocks). Rows are balanced by NS cost, then within each row the owners (who keep
+      master and momentum) by elements.
+    - ``"auto"``: ``"shared"`` where it is estimated faster: its slowest row's NS FLOPs per
+      rank plus its traffic (:func:`shared_ns_bytes`, at :data:`SHARED_NS_FLOPS_PER_BYTE`)
+      below the owner plan's slowest rank's FLOPs. Whole owners cannot balance fewer
+      matrices than slots; sharing moves m×m matrices every iteration, which costs about
+      what it saves on square shapes, so sharing pays off only where the owner plan is far
+      out of balance.
+    """
+    if tp_ns not in TP_NS_MODES:
+        raise ValueError(f"unknown tp_ns {tp_ns!r}; known: {list(TP_NS_MODES)}")
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"tp_size {tp_size} must divide world_size {world_size}")
+    owner_plan = plan_owners(
+        specs, world_size, small_param_numel=small_param_numel, ns_algorithm=ns_algorithm
+    )
+    owner_plan = dataclasses.replace(owner_plan, tp_size=tp_size)
+    if tp_size == 1 or tp_ns == "owner" or all(s.stacked for s in specs):
+        return owner_plan
+    # Shared NS runs the plain iteration whatever ns_algorithm says: cost it so.
+    rows = plan_owners(specs, world_size // tp_size, small_param_numel=small_param_numel)
+    owners = list(rows.owners)
+    row_numel: dict[int, list[int]] = {}
+    for i in sorted(range(len(specs)), key=lambda i: (-specs[i].numel, i)):
+        if specs[i].stacked:
+            continue
+        numel = row_numel.setdefault(rows.owners[i], [0] * tp_size)
+        t = min(range(tp_size), key=lambda k: (numel[k], k))
+        numel[t] += specs[i].numel
+        owners[i] = rows.owners[i] * tp_size + t
+    shared = tuple(not s.stacked for s in specs)
+    shared_plan = Plan(
+        world_size, tuple(specs), tuple(owners), rows.costs, "plain", tp_size, shared
+    )
+    if tp_ns == "auto":
+        row_bytes = [0] * (world_size // tp_size)
+        for spec, owner in zip(specs, owners, strict=True):
+            if not spec.stacked:
+                row_bytes[owner // tp_size] += shared_ns_bytes(spec.shape, tp_size)
+        shared_time = max(
+            max(shared_plan.load_per_rank()[r * tp_size : (r + 1) * tp_size])
+            + SHARED_NS_FLOPS_PER_BYTE * row_bytes[r]
+            for r in range(len(row_bytes))
+        )
+        if shared_time >= max(owner_plan.load_per_rank()):
+            return owner_plan
+    return shared_plan
+
+
+def plan_owners(
     specs: Sequence[ParamSpec],
     world_size: int,
     *,

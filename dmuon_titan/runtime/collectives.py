@@ -272,6 +272,29 @@ class Collectives:
             return pending
         return Pending(work=issue(async_op=True), tensor=(tensor, out), what=what)
 
+    def group_all_reduce(self, tensor: Tensor, phase: str, group: str = "tp") -> None:
+        """Blocking sum of ``tensor`` over ``group``, in place (the steps of a Newton–Schulz
+        the group shares): on the compute stream, which the next operation needs anyway."""
+        n = self.mesh.size(group)
+        self.stats.record(phase, tensor.numel() * tensor.element_size(), n)
+        if n == 1:
+            return
+        self._issued(group, "all_reduce", phase, tensor.numel(), "")
+        dist.all_reduce(tensor, group=self.groups[group])
+
+    def group_all_gather(self, tensor: Tensor, phase: str, group: str = "tp") -> Tensor:
+        """Blocking: every rank's ``tensor`` of ``group`` stacked on a new dim 0, in rank
+        order (as :meth:`group_all_reduce`)."""
+        n = self.mesh.size(group)
+        out = torch.empty((n, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        self.stats.record(phase, out.numel() * out.element_size(), n)
+        if n == 1:
+            out[0].copy_(tensor)
+            return out
+        self._issued(group, "all_gather", phase, out.numel(), "")
+        dist.all_gather_into_tensor(out.view(-1), tensor.reshape(-1), group=self.groups[group])
+        return out
+
     def compact(self, tensor: Tensor, after: list[Pending]) -> tuple[Tensor, Pending]:
         """A copy of ``tensor`` (a slice of a larger reduce buffer) made once the reduces
         ``after`` are done, so the buffer's other elements can be freed without waiting for the

@@ -85,6 +85,7 @@ class DedicatedParam:
         owner: int,
         mesh: MeshInfo,
         boundary_index: int,
+        shared_ns: bool = False,
     ) -> None:
         self.index = index
         self.fqn = fqn
@@ -144,6 +145,9 @@ class DedicatedParam:
         #: the master (made at lazy init, filled from the owner)
         self.tp_copy: torch.Tensor | None = None
         self.boundary_index = boundary_index
+        #: its Newton–Schulz is shared by the tp ranks of its owner's row (the plan's
+        #: ``tp_ns``; see ``runtime/shared_ns.py``), not run by the owner alone
+        self.shared_ns = shared_ns
         #: the model's runtime state (a weak reference; set when the state is built)
         self.state_ref = None
         # Compute and reduce dtypes; FSDP2's MixedPrecisionPolicy of the nearest fully_shard

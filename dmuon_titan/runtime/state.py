@@ -30,6 +30,7 @@ from .schedule import (
     merge_sequences,
     plan_order_schedule,
 )
+from .shared_ns import SharedNewtonSchulz
 from .tensor_parallel import TensorParallelExchange
 
 STATE_ATTR = "_dmuon_state"
@@ -80,6 +81,10 @@ class DMuonState:
         self.gradient_divide_factor = float(self.mesh.shard_size * self.mesh.replicate_size)
         #: tensor parallelism: the owners' exchange of tp shards with their rows
         self.tp_exchange = TensorParallelExchange(params, comm) if self.mesh.tp_size > 1 else None
+        #: ``tp_ns="shared"``: the Newton–Schulz this rank's row shares (None: none shared)
+        self.shared_ns = (
+            SharedNewtonSchulz(params, comm) if any(p.shared_ns for p in params) else None
+        )
         #: the order every rank issues the step's collectives in: plan order for the first
         #: step, the forward order recorded on all ranks after it
         self.schedule = plan_order_schedule(len(groups))

@@ -16,6 +16,11 @@ owner column plus an all-gather per expert stack).
 ``--tp T``: tensor parallelism of degree T inside each data-parallel rank; owners are planned
 over ranks x T slots (the "ranks" column counts data-parallel ranks), and the bytes count
 each rank's tp shard in the data-parallel phases plus the tp gather/scatter (fp32).
+``--tp-ns``: who runs a matrix's Newton–Schulz under TP (``dedicate_params(tp_ns=...)``):
+its owner alone, its owner's row of T ranks together (``shared``, plain NS; the bytes then
+add its bf16 column blocks out and back and, per iteration, an fp32 m×m all-reduce and a
+bf16 m×m all-gather over the row), or ``auto`` (shared where the owner plan's imbalance
+exceeds 1.05, the default).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from dmuon_titan.plan import ParamSpec, plan_partition
+from dmuon_titan.newton_schulz import column_block_width
+from dmuon_titan.plan import TP_NS_MODES, ParamSpec, plan_partition
 from dmuon_titan.plan.cost import NS_ALGORITHMS, orthogonalize_flops
 from dmuon_titan.plan.partition import SHARDED, stack_pieces
 
@@ -123,15 +129,16 @@ def main() -> None:
         "loads are reported in --ns-algorithm's",
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--tp-ns", choices=TP_NS_MODES, default="auto", help="see the doc")
     parser.add_argument("--models", nargs="+", default=None, help="only these models")
     args = parser.parse_args()
     tp = args.tp
     print(
         f"| model | ranks{' x tp' if tp > 1 else ''} | matrices | imbalance (max/mean) | idle ranks | blocks with a shared owner "
         "| slowest rank NS (ms) | perfect split NS (ms) | Z3 GiB/rank/step | plan ms "
-        "| collectives per block in |"
+        "| collectives per block in | NS |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     models = {name: llama_specs(*dims) for name, dims in MODELS.items()}
     models.update({name: moe_specs(*dims) for name, dims in MOE_MODELS.items()})
     for name, specs in models.items():
@@ -142,14 +149,29 @@ def main() -> None:
         for dp in args.ranks:
             n = dp * tp  # owner slots
             start = time.perf_counter()
-            plan = plan_partition(specs, n, ns_algorithm=args.planned_for or args.ns_algorithm)
+            plan = plan_partition(
+                specs,
+                n,
+                ns_algorithm=args.planned_for or args.ns_algorithm,
+                tp_size=tp,
+                tp_ns=args.tp_ns,
+            )
             plan_ms = (time.perf_counter() - start) * 1e3
             loads = [0] * n
-            for spec, owner in zip(plan.specs, plan.owners, strict=True):
+            shared_bytes = 0.0  # summed over all ranks
+            for i, (spec, owner) in enumerate(zip(plan.specs, plan.owners, strict=True)):
                 cost = orthogonalize_flops(spec.shape, args.ns_algorithm)
                 if owner == SHARDED:
                     for k, (a, b) in enumerate(stack_pieces(spec.shape[0], n)):
                         loads[k] += cost * (b - a) // spec.shape[0]
+                elif plan.is_shared(i):
+                    row = owner - owner % tp
+                    for k in range(row, row + tp):
+                        loads[k] += orthogonalize_flops(spec.shape, "plain") // tp
+                    m = min(spec.shape)
+                    width = column_block_width(spec.shape, tp)
+                    shared_bytes += 2 * (tp - 1) * m * width * 2  # blocks out and back, bf16
+                    shared_bytes += 5 * (tp - 1) * m * m * (4 + 2)  # per iteration, T ranks
                 else:
                     loads[owner] += cost
             per_block: dict[str, list[int]] = {}
@@ -168,11 +190,12 @@ def main() -> None:
             # bf16 bcast x2 + fp32 reduce of each rank's tp shard, then (tp) fp32 gather+scatter
             moved = (2 * 2 + 4) * numel / tp * (dp - 1) / dp / 2**30
             moved += (tp - 1) * numel / tp * (4 + 4) / n / 2**30
+            moved += shared_bytes / n / 2**30
             ranks = f"{dp} x {tp}" if tp > 1 else f"{dp}"
             print(
                 f"| {name} | {ranks} | {matrices} | {max(loads) / (sum(loads) / n):.3f} | {loads.count(0)} | "
                 f"{shared} | {max(loads) / rate * 1e3:.1f} | {total / n / rate * 1e3:.1f} | {moved:.1f} "
-                f"| {plan_ms:.0f} | {calls} |"
+                f"| {plan_ms:.0f} | {calls} | {'row' if plan.shared else 'owner'} |"
             )
 
 

@@ -29,11 +29,19 @@ SUITES = {
         # dp 1 x tp 4
         ("tp4-z3", with_(EXACT, tp=4, model="toy_mha")),
         ("tp4-z2", with_(EXACT, tp=4, model="toy_mha", reshard_after_forward=False)),
+        # Newton–Schulz shared by each owner's tp row
+        ("shared-z3", with_(EXACT, tp_ns="shared")),
+        (
+            "shared-z2+clip",
+            with_(EXACT, tp_ns="shared", reshard_after_forward=False, max_norm=0.05),
+        ),
+        ("tp4-shared-z3", with_(EXACT, tp=4, model="toy_mha", tp_ns="shared")),
     ],
     # replicate 2 x shard 2 x tp 2
     8: [
         ("hsdp-z3", with_(EXACT, replicate=2)),
         ("hsdp-z2+clip", with_(EXACT, replicate=2, reshard_after_forward=False, max_norm=0.05)),
+        ("hsdp-shared-z3", with_(EXACT, replicate=2, tp_ns="shared")),
     ],
 }
 
@@ -50,9 +58,10 @@ def _max_error(weights, reference) -> float:
 def test_tensor_parallel_equals_single_process_reference(world):
     """5 steps each: weights within 1e-10 of the reference; every step, every matrix ran
     Newton–Schulz on exactly one rank of the world (on its whole matrix: the owner's is the
-    only whole copy); colwise/rowwise placements as the plan says; the bytes every phase moved,
-    averaged over the ranks, equal ``summarize_plan``'s formula, and the tensor-parallel
-    exchange is one all-to-all per step each way."""
+    only whole copy), or with ``tp_ns="shared"`` on the T ranks of its owner's row and on no
+    other (each on a column block); colwise/rowwise placements as the plan says; the bytes
+    every phase moved, averaged over the ranks, equal ``summarize_plan``'s formula, and the
+    tensor-parallel exchange is one all-to-all per step each way."""
     suite = SUITES[world]
     results = run_ranks(train_tp_counted, world, [cfg for _, cfg in suite], timeout=600)
     for i, (name, cfg) in enumerate(suite):
@@ -62,10 +71,20 @@ def test_tensor_parallel_equals_single_process_reference(world):
         for run in runs[1:]:  # every rank reports the same full weights
             assert all(torch.equal(run["weights"][k], v) for k, v in runs[0]["weights"].items())
         summary = runs[0]["summary"]
-        matrices = sorted(p["fqn"] for p in summary["params"])
+        shared = cfg.tp_ns == "shared"
+        assert all(p["shared_ns"] == shared for p in summary["params"]), name
+        # each once, somewhere; shared: by the tp ranks of its owner's row
+        matrices = sorted(
+            p["fqn"] for p in summary["params"] for _ in range(cfg.tp if shared else 1)
+        )
         for step in range(cfg.steps):
             ran = sorted(f for run in runs for f in run["orthogonalized"][step])
-            assert ran == matrices, (name, step)  # each once, somewhere
+            assert ran == matrices, (name, step)
+            if shared:
+                for rank, run in enumerate(runs):
+                    row = rank // cfg.tp
+                    mine = {p["fqn"] for p in summary["params"] if p["owner"] // cfg.tp == row}
+                    assert set(run["orthogonalized"][step]) == mine, (name, step, rank)
         for fqn, dim in runs[0]["tp_placements"].items():
             style = TP_PLAN[fqn.split(".", 2)[2].rsplit(".", 1)[0]]
             assert dim == {"colwise": 0, "rowwise": 1}[style], (name, fqn)
@@ -78,6 +97,7 @@ def test_tensor_parallel_equals_single_process_reference(world):
             "replicate_broadcast": "replicate_broadcast",
             "tp_gather": "tp_gather",
             "tp_scatter": "tp_scatter",
+            "tp_ns": "tp_ns",
         }
         for phase, key in phases.items():
             measured = sum(run["moved"].get(phase, 0.0) for run in runs) / world
@@ -86,6 +106,7 @@ def test_tensor_parallel_equals_single_process_reference(world):
                 expected *= cfg.micro_batches
             assert measured == pytest.approx(expected, rel=1e-12, abs=1e-9), (name, phase)
         assert predicted["tp_gather"] > 0 and predicted["tp_scatter"] > 0
+        assert (predicted["tp_ns"] > 0) == shared, name
         for run in runs:
             assert run["ops"]["tp_gather"] == run["ops"]["tp_scatter"] == 1, name
 

@@ -9,10 +9,12 @@ import torch.distributed as dist
 
 import dmuon_titan as dmuon
 from dmuon_titan.muon import Muon
+from dmuon_titan.runtime.shared_ns import SharedNewtonSchulz
 
 from .training import RunConfig, build_dmuon, train_step
 
 _orthogonalize = Muon._orthogonalize
+_orthogonalize_shared = SharedNewtonSchulz.orthogonalize
 
 
 def train_tp_counted(rank: int, world_size: int, configs: list[RunConfig]) -> list[dict]:
@@ -30,7 +32,14 @@ def train_tp_counted(rank: int, world_size: int, configs: list[RunConfig]) -> li
             steps[-1].extend(names[id(p)] for p in chunk)
             return _orthogonalize(self, chunk, *args, **kwargs)
 
-        with mock.patch.object(Muon, "_orthogonalize", orthogonalize):
+        def orthogonalize_shared(self, *args, steps=steps, **kwargs):
+            steps[-1].extend(p.fqn for p in self.row)  # this rank's share of each
+            return _orthogonalize_shared(self, *args, **kwargs)
+
+        with (
+            mock.patch.object(Muon, "_orthogonalize", orthogonalize),
+            mock.patch.object(SharedNewtonSchulz, "orthogonalize", orthogonalize_shared),
+        ):
             for step in range(cfg.steps):
                 if step == 1:
                     state.comm.stats.reset()
@@ -43,7 +52,7 @@ def train_tp_counted(rank: int, world_size: int, configs: list[RunConfig]) -> li
                 "orthogonalized": steps,
                 "moved": {k: v / timed for k, v in stats.moved_bytes.items()},
                 "ops": {k: v / timed for k, v in stats.ops.items()},
-                "summary": dmuon.summarize_plan(model),
+                "summary": dmuon.summarize_plan(model, ns_dtype=cfg.ns_dtype),
                 "tp_placements": {p.fqn: p.tp_dim for p in state.params},
                 "weights": dmuon.get_model_state_dict(model),
             }

@@ -87,6 +87,7 @@ class RunConfig:
     optimizer_first: bool = False  # build Muon after fully_shard but before to_empty
     ep: int = 1  # expert parallelism ("grouped_moe"): ranks (fsdp // ep, ep), experts cut by ep
     tp: int = 1  # tensor parallelism: ranks (replicate, shard, tp), the blocks colwise/rowwise
+    tp_ns: str = "auto"  # dedicate_params(tp_ns=...): who runs NS under TP
     cuda_graph: bool = True  # Muon(cuda_graph=...): one rank on a GPU captures the step
 
 
@@ -261,6 +262,7 @@ def build_dmuon(cfg: RunConfig, world_size: int):
         collectives=cfg.collectives,
         expert_mesh=expert_mesh,
         tp_mesh=tp_mesh,
+        tp_ns=cfg.tp_ns,
     )
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)

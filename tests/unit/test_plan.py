@@ -274,3 +274,63 @@ def test_deepseek_v3_scale_plan_is_quick_and_balanced():
     plan = plan_partition(specs, 64)
     assert time.perf_counter() - start < 1.0
     assert plan.imbalance() < 1.05
+
+
+# ---------------------------------------------------------------------- tp_ns
+LLAMA3_70B = {
+    "attention.wq": (8192, 8192),
+    "attention.wk": (1024, 8192),
+    "attention.wv": (1024, 8192),
+    "attention.wo": (8192, 8192),
+    "feed_forward.w1": (28672, 8192),
+    "feed_forward.w2": (8192, 28672),
+    "feed_forward.w3": (28672, 8192),
+}
+
+
+@pytest.mark.parametrize("dp", [8, 32, 128])
+def test_shared_ns_balances_llama3_70b_at_dp_x_tp8(dp):
+    """llama3-70B's 560 matrices over dp × 8 slots: whole owners leave slots idle at dp 128
+    (imbalance 3.4); sharing each matrix's NS over its owner's tp row balances every layout
+    within 1.05. Each row's T slots carry 1/T of each of its matrices; owners inside a row
+    are balanced by elements (the masters and momenta they keep), as far as whole matrices
+    allow."""
+    specs = llama_specs(LLAMA3_70B, 80)
+    owner = plan_partition(specs, dp * 8, tp_size=8, tp_ns="owner")
+    shared = plan_partition(specs, dp * 8, tp_size=8, tp_ns="shared")
+    assert not owner.shared and all(shared.shared)
+    assert shared.imbalance() <= 1.05
+    if dp == 128:
+        assert owner.imbalance() > 3
+    loads = shared.load_per_rank()
+    for row in range(dp):  # a row's ranks share its work evenly
+        assert len(set(loads[row * 8 : (row + 1) * 8])) == 1
+    kept, largest = [0] * (dp * 8), [0] * dp
+    for spec, slot in zip(shared.specs, shared.owners, strict=True):
+        kept[slot] += spec.numel
+        largest[slot // 8] = max(largest[slot // 8], spec.numel)
+    for row in range(dp):  # (at dp 128 a row has 4-5 matrices for its 8 slots)
+        part = kept[row * 8 : (row + 1) * 8]
+        assert max(part) <= max(largest[row], 1.3 * sum(part) / 8), (row, part)
+    assert sum(loads) == pytest.approx(sum(shared.costs), rel=1e-6)
+
+
+def test_tp_ns_auto_shares_only_where_it_is_estimated_faster():
+    """auto: whole owners while they balance (dp 8 × tp 8) or while the row's m×m traffic
+    would cost more than the imbalance (dp 64), shared at dp 128; never without TP."""
+    specs = llama_specs(LLAMA3_70B, 80)
+    assert not plan_partition(specs, 64, tp_size=8, tp_ns="auto").shared
+    assert not plan_partition(specs, 512, tp_size=8, tp_ns="auto").shared
+    assert all(plan_partition(specs, 1024, tp_size=8, tp_ns="auto").shared)
+    assert not plan_partition(specs, 1024, tp_size=1, tp_ns="shared").shared
+
+
+def test_shared_ns_is_part_of_the_fingerprint_and_bad_tp_ns_is_named():
+    specs = llama_specs(LLAMA3_70B, 2)
+    owner = plan_partition(specs, 8, tp_size=2, tp_ns="owner")
+    shared = plan_partition(specs, 8, tp_size=2, tp_ns="shared")
+    assert owner.fingerprint() != shared.fingerprint()
+    with pytest.raises(ValueError, match="unknown tp_ns 'row'"):
+        plan_partition(specs, 8, tp_size=2, tp_ns="row")
+    with pytest.raises(ValueError, match="tp_size 3 must divide world_size 8"):
+        plan_partition(specs, 8, tp_size=3)

@@ -183,6 +183,12 @@ def test_optimizer_hyperparameters(cpu_mesh, kwargs, name):
         dmuon.Muon(model, **kwargs)
 
 
+def test_unknown_tp_ns_in_dedicate_params(cpu_mesh):
+    model = ToyTransformer()
+    with no_collectives(), pytest.raises(ValueError, match="tp_ns must be one of.*'row'"):
+        dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate, tp_ns="row")
+
+
 def test_unknown_ns_algorithm_in_dedicate_params(cpu_mesh):
     model = meta_model()
     with no_collectives(), pytest.raises(ValueError, match="ns_algorithm must be one of.*'fast'"):

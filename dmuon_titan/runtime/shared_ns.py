@@ -1,0 +1,133 @@
+"""Newton–Schulz shared by a tensor-parallel row: ``dedicate_params(tp_ns="shared")``.
+
+With whole-matrix owners a model with fewer matrices than owner slots leaves slots idle
+and the largest matrix sets the step (llama3-70B has 560 matrices for dp 128 × tp 8 =
+1,024 slots). A shared matrix is still owned by one slot (r, s, t) — master, gradient,
+momentum and update stay there, so clipping, state dicts and checkpoints see nothing new —
+but its Newton–Schulz is computed by the T ranks of the owner's row (r, s, ·), the tp group
+that already gathers its gradient shards:
+
+1. each owner cuts the NS input of each shared matrix it owns into T column blocks of its
+   wide orientation and sends rank k block k (one all-to-all over the row for all of them);
+2. the row runs :func:`~dmuon_titan.newton_schulz.orthogonalize_column_blocks` on every
+   same-shape batch of the row's shared matrices, in plan order (one m×m all-reduce and one
+   all-gather per iteration and batch);
+3. the blocks of the result go back to their owners (one more all-to-all), who update.
+
+Every rank of a row takes part for every shared matrix of the row, with zeros for a matrix
+whose owner has no gradient (it then ignores the result): what is issued is the plan's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..newton_schulz import (
+    Coefficients,
+    column_block_width,
+    from_wide_column_blocks,
+    orthogonalize_column_blocks,
+    wide_column_block,
+)
+from .collectives import Collectives
+from .owned_param import DedicatedParam
+
+PHASE = "tp_ns"
+
+
+class _RowCollectives:
+    """:class:`~dmuon_titan.newton_schulz.BlockCollectives` over the tp group."""
+
+    def __init__(self, comm: Collectives) -> None:
+        self.comm = comm
+        self.size, self.rank = comm.mesh.tp_size, comm.mesh.tp_rank
+
+    def all_reduce_(self, tensor: torch.Tensor) -> None:
+        self.comm.group_all_reduce(tensor, PHASE)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.comm.group_all_gather(tensor, PHASE)
+
+
+def block_numel(p: DedicatedParam, tp_size: int) -> int:
+    """Elements of one rank's column block of ``p``."""
+    return min(p.shape) * column_block_width(p.shape, tp_size)
+
+
+class SharedNewtonSchulz:
+    """The shared matrices of this rank's row and their Newton–Schulz (see the module doc)."""
+
+    def __init__(self, params: list[DedicatedParam], comm: Collectives) -> None:
+        self.comm = comm
+        self.tp_size, self.tp_rank = comm.mesh.tp_size, comm.mesh.tp_rank
+        #: the row's shared matrices, in parameter (plan) order
+        self.row = [p for p in params if p.shared_ns and p.in_owner_row]
+        #: by owner tp coordinate
+        self.by_owner = [[p for p in self.row if p.owner_tp_rank == t] for t in range(self.tp_size)]
+        #: same-shape batches (first appearance order): each one orthogonalization
+        self.batches: dict[tuple[int, ...], list[DedicatedParam]] = {}
+        for p in self.row:
+            self.batches.setdefault(tuple(p.shape), []).append(p)
+        self.group = _RowCollectives(comm)
+
+    @torch.no_grad()
+    def orthogonalize(
+        self,
+        inputs: dict[int, torch.Tensor],
+        coefficients: Sequence[Coefficients],
+        ns_steps: int,
+        eps: float,
+        dtype: torch.dtype,
+    ) -> dict[int, torch.Tensor]:
+        """NS of the row's shared matrices. ``inputs``: parameter index -> the whole NS input
+        (``dtype``) of each shared matrix this rank owns and has a gradient for; returns the
+        whole orthogonalized matrix for each of them. Every rank of the row must call it."""
+        if not self.row:
+            return {}
+        device, size = self.comm.device, self.tp_size
+        mine = self.by_owner[self.tp_rank]
+        per_dest = sum(block_numel(p, size) for p in mine)
+        send = torch.zeros(per_dest * size, dtype=dtype, device=device)
+        offset = 0
+        for k in range(size):
+            for p in mine:
+                n = block_numel(p, size)
+                if p.index in inputs:
+                    block = wide_column_block(inputs[p.index], k, size)
+                    send[offset : offset + n].view(block.shape).copy_(block)
+                offset += n
+        splits = [sum(block_numel(p, size) for p in part) for part in self.by_owner]
+        recv = torch.empty(sum(splits), dtype=dtype, device=device)
+        self.comm.all_to_all(recv, send, splits, [per_dest] * size, PHASE).wait()
+        del send
+        blocks: dict[int, torch.Tensor] = {}
+        offset = 0
+        for part in self.by_owner:
+            for p in part:
+                n = block_numel(p, size)
+                width = column_block_width(p.shape, size)
+                blocks[p.index] = recv[offset : offset + n].view(min(p.shape), width)
+                offset += n
+        results: dict[int, torch.Tensor] = {}
+        for members in self.batches.values():
+            batch = torch.stack([blocks[p.index] for p in members])
+            out = orthogonalize_column_blocks(batch, coefficients, ns_steps, eps, self.group)
+            results.update(zip((p.index for p in members), out.unbind(0), strict=True))
+        del recv, blocks
+        back = torch.cat([results[p.index].reshape(-1) for part in self.by_owner for p in part])
+        returned = torch.empty(per_dest * size, dtype=dtype, device=device)
+        self.comm.all_to_all(returned, back, [per_dest] * size, splits, PHASE).wait()
+        whole: dict[int, torch.Tensor] = {}
+        for i, p in enumerate(mine):
+            if p.index not in inputs:
+                continue
+            start = sum(block_numel(q, size) for q in mine[:i])
+            n, width = block_numel(p, size), column_block_width(p.shape, size)
+            pieces = [
+                returned[k * per_dest + start : k * per_dest + start + n].view(min(p.shape), width)
+                for k in range(size)
+            ]
+            whole[p.index] = from_wide_column_blocks(pieces, p.shape)
+        return whole
