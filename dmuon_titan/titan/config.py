@@ -117,6 +117,14 @@ class DMuon:
     Triton kernel that does half the FLOPs (dmuon_titan/symmetric.py); "plain" stays
     torch.optim.Muon's exact operations."""
 
+    tp_ns: str = "auto"
+    """With tensor_parallel_degree > 1, who runs each matrix's Newton-Schulz: "owner" (its
+    owner rank alone, on the whole matrix), "shared" (the tensor-parallel ranks of the
+    owner's row together, each on 1/tp of the matrix's columns: plain NS whatever
+    ns_algorithm says, an m x m all-reduce and all-gather over the row per iteration) or
+    "auto" ("shared" where it is estimated faster: models with too few matrices for
+    dp x tp owners, e.g. llama3-70B at dp 128 x tp 8; dmuon_titan/plan/partition.py)."""
+
     ns_eps: float = 1e-7
     """Floor of the Frobenius norm that normalizes the matrix before Newton-Schulz."""
 
@@ -153,6 +161,7 @@ class DMuon:
             small_param_numel=self.small_param_numel,
             ns_algorithm=self.ns_algorithm,
             collectives=self.collectives,
+            tp_ns=self.tp_ns,
         )
 
     def muon_options(self, optimizer) -> MuonOptions:

@@ -269,6 +269,8 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
         model,
         TORCH_DTYPE_MAP[training.mixed_precision_param],
         TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        ns_dtype=cfg.torch_ns_dtype,
+        ns_steps=cfg.ns_steps,
     )
     loads = summary["ns_flops_per_rank"]
     idle = [rank for rank, load in enumerate(loads) if load == 0]
@@ -283,6 +285,8 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
     plain = sum(orthogonalize_flops(p["shape"], "plain") for p in summary["params"])
     z = "Z3" if options["reshard_after_forward"] else "Z2"
     tp = f" x {summary['tp_size']} tensor-parallel" if summary["tp_size"] > 1 else ""
+    if any(p["shared_ns"] for p in summary["params"]):
+        tp += ", Newton-Schulz shared by each owner's tensor-parallel row"
     logger.info(
         f"DMuon: {where}{summary['num_params']} matrices on {summary['world_size']} ranks "
         f"({_count(summary['replicate_size'], 'replica')} x "

@@ -202,7 +202,8 @@ def test_tensor_parallel_equals_the_naive_path_resumes_and_loads_at_other_degree
     and equals the naive path's (every weight on FSDP2 x TP, all-gathered, NS on every rank)
     within 1e-5 per step over 10 steps; stopped at 5 and resumed, steps 6-10 are
     bit-identical; the step-5 checkpoint loads at tp 1 x dp 2 and tp 2 x dp 1 with identical
-    weights and momentum."""
+    weights and momentum. With ``[dmuon] tp_ns = "shared"`` (each row's two ranks share
+    every Newton–Schulz) the losses equal the naive path's within 1e-5 as well."""
     seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
     common = [
         "--validation.no-enable",
@@ -223,13 +224,29 @@ def test_tensor_parallel_equals_the_naive_path_resumes_and_loads_at_other_degree
             tokenizer_dir, naive, *common, *TP2, "--dmuon.mode", "naive", "--training.steps", "10"
         ),
     )
+    shared = tmp_path / "shared"
+    out = run_ok(
+        4,
+        *toy_args(
+            tokenizer_dir,
+            shared,
+            *common,
+            *TP2,
+            "--dmuon.tp_ns",
+            "shared",
+            "--training.steps",
+            "10",
+        ),
+    )
+    assert "Newton-Schulz shared by each owner's tensor-parallel row" in out
     run_ok(4, *toy_args(tokenizer_dir, b, *common, *TP2, "--training.steps", "5"))
     out = run_ok(4, *toy_args(tokenizer_dir, b, *common, *TP2, "--training.steps", "10"))
     assert "Training starts at step 6" in out
-    la, ln, lb = tb_losses(a), tb_losses(naive), tb_losses(b)
+    la, ln, lb, ls = tb_losses(a), tb_losses(naive), tb_losses(b), tb_losses(shared)
     assert sorted(la) == list(range(1, 11)) and la[10] < la[1]
     for step in range(1, 11):
         assert abs(la[step] - ln[step]) <= 1e-5, (step, la[step], ln[step])
+        assert abs(ls[step] - ln[step]) <= 1e-5, (step, ls[step], ln[step])
     assert [la[s] for s in range(6, 11)] == [lb[s] for s in range(6, 11)]
     layouts = {"tp1xdp2": (2, []), "tp2xdp1": (2, TP2)}
     _check_loads_identically(tokenizer_dir, tmp_path, a, 5, common, layouts)
