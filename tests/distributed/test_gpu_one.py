@@ -58,3 +58,25 @@ def test_captured_step_equals_the_reference_and_the_eager_step():
     reference = train_reference(exact)
     assert max(relative_errors(graph["weights"], reference, init).values()) <= 1e-10
     assert max(relative_errors(graph["weights"], eager["weights"], init).values()) <= 1e-12
+
+
+def test_shared_newton_schulz_in_bfloat16_on_the_gpu():
+    """The math of a tensor-parallel row's shared Newton–Schulz (``tp_ns="shared"``; four
+    ranks stood in for by threads) on CUDA in bf16, llama-like wide and tall shapes: its
+    distance from float64 NS is within 1.25× the whole-matrix bf16 NS's (cuBLAS's rounding,
+    which the CPU unit test does not see)."""
+    from dmuon_titan import newton_schulz as ns
+
+    from ..unit.test_shared_newton_schulz import shared_orthogonalize
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for shape in ((1024, 4096), (2816, 1024)):
+        matrix = torch.randn(shape, device="cuda", generator=generator)
+        exact = ns.zeropower_via_newtonschulz(
+            matrix.double(), (ns.JORDAN_COEFFICIENTS,), 5, 1e-7, dtype=torch.float64
+        )
+        whole = ns.zeropower_via_newtonschulz(matrix, (ns.JORDAN_COEFFICIENTS,), 5, 1e-7)
+        shared, _ = shared_orthogonalize(matrix, 4, torch.bfloat16)
+        whole_error = ((whole.double() - exact).norm() / exact.norm()).item()
+        shared_error = ((shared.double() - exact).norm() / exact.norm()).item()
+        assert shared_error <= 1.25 * whole_error, (shape, shared_error, whole_error)
