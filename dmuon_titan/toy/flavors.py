@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 #: llama3 ``"170M"``: 12 blocks of width 1024 on an 8192-token BPE vocabulary, 171 M
-#: parameters, for the loss-curve comparison on one GPU. ``"8B_8layers"``: the first 8 of
+#: parameters, for the loss-curve comparison on one GPU; ``"500M"``: 16 blocks of width 1536
+#: on the same vocabulary (478 M), the same comparison one size up. ``"8B_8layers"``: the first 8 of
 #: llama3-8B's 32 blocks (same shapes, vocabulary and heads), so one GPU can run and profile
 #: the 8B step's per-block work without FSDP. qwen3 ``"debugmodel_moe_small"``: qwen3's MoE
 #: debug model cut to 2 blocks of 8 experts (top 2), so CPU tests of the MoE path take seconds
@@ -17,6 +18,7 @@ import dataclasses
 EXTRA_FLAVORS = {
     "llama3": {
         "170M": dict(dim=1024, n_layers=12, n_heads=16, vocab_size=8192, rope_theta=500000),
+        "500M": dict(dim=1536, n_layers=16, n_heads=12, vocab_size=8192, rope_theta=500000),
         "8B_8layers": dict(base="8B", n_layers=8),
     },
     "qwen3": {

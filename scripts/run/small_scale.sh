@@ -12,10 +12,14 @@
 #               runs share the GPU side by side (the step counts do not depend on it), and the
 #               wall-clock ratio is steps x the step times of the throughput runs
 #               (scripts/analysis/time_to_loss.py)
-#   scripts/run/small_scale.sh OUTDIR [throughput] [profile] [loss]
+#   larger      one size up (FLAVOR, default 500M): AdamW at 5e-4 then DMuon at 2e-3 (the 170M
+#               sweep's best, not re-tuned), each alone, LARGER_STEPS (default 500) steps on
+#               pystdlib_shuffled_1, validation every 50; into OUTDIR/larger/ with the
+#               throughput summary and the steps to AdamW's final validation loss
+#   scripts/run/small_scale.sh OUTDIR [throughput] [profile] [loss] [larger]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: scripts/run/small_scale.sh OUTDIR [throughput] [profile] [loss]}
+OUT=${1:?usage: scripts/run/small_scale.sh OUTDIR [throughput] [profile] [loss] [larger]}
 shift
 PARTS=${*:-throughput profile loss}
 STEPS=${STEPS:-300}
@@ -68,5 +72,16 @@ for part in $PARTS; do
       [[ $status -eq 0 ]] || exit 1
       (cd scripts/analysis && python3 time_to_loss.py "$OUT" --json "$OUT/time_to_loss.json") \
         | tee "$OUT/time_to_loss.md" || true ;;
+    larger)
+      mkdir -p "$OUT/larger"
+      for spec in adamw:5e-4 dmuon:2e-3; do
+        opt=${spec%%:*} lr=${spec##*:}
+        titan "larger/${opt}_s1" "$opt" --model.flavor "${FLAVOR:-500M}" --optimizer.lr "$lr" \
+          --debug.seed 1 --training.dataset pystdlib_shuffled_1 \
+          --training.steps "${LARGER_STEPS:-500}" --validation.freq 50 --metrics.log_freq 10
+      done
+      (cd scripts/analysis && python3 titan_log_summary.py --seq-len 1024 --batch 8 --skip 20 \
+        "$OUT"/larger/*_s1.log && python3 time_to_loss.py "$OUT/larger") \
+        | tee "$OUT/larger/summary.md" || true ;;
   esac
 done
