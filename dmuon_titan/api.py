@@ -9,6 +9,7 @@ check that all ranks computed the same plan.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -140,6 +141,12 @@ def dedicate_params(
         tp_ns=tp_ns,
     )
     _check_model_and_meshes(model, mesh, replicate_mesh, expert_mesh, tp_mesh)
+    if tp_ns == "shared" and tp_mesh is None:
+        warnings.warn(
+            'dedicate_params(tp_ns="shared") without tp_mesh: there is no tensor-parallel row '
+            "to share Newton-Schulz with, each owner runs its own",
+            stacklevel=2,
+        )
     # Validate → plan → build the runtime → install hooks: every input error comes before the
     # first collective, the check that all ranks computed the same plan.
     selected = _select_params(model, predicate, allow_empty)

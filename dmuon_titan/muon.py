@@ -4,7 +4,9 @@ Two parameter groups, identical in structure on every rank (so LR schedulers and
 line up): ``param_groups[0]`` holds every dedicated parameter (the master weight on its owner,
 an empty placeholder elsewhere) and is stepped only where owned; ``param_groups[1]`` holds all
 other trainable parameters (FSDP2 DTensors, usually) and runs ``torch.optim.AdamW``'s math.
-``step()`` issues no collective, so calling it on any subset of ranks cannot hang.
+Without tensor parallelism ``step()`` issues no collective, so calling it on any subset of
+ranks cannot hang. With it, ``step()`` exchanges tp shards within each owner's row (and,
+``tp_ns="shared"``, runs the row's Newton–Schulz together): every rank must step.
 """
 
 from __future__ import annotations
@@ -208,13 +210,24 @@ class Muon(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``, except for the matrices a held CUDA graph
         steps (``cuda_graph``): their gradients are zeroed in place whatever
-        ``set_to_none`` says, so that the next backward accumulates where the graph reads."""
-        kept = {id(p) for p in self.step_graph.params}
+        ``set_to_none`` says, so that the next backward accumulates where the graph reads
+        (one that gets no gradient before the step is skipped all the same, see
+        :mod:`dmuon_titan.step_graph`)."""
+        graph = self.step_graph
+        kept = {id(p) for p in graph.params}
         if not kept:
             return super().zero_grad(set_to_none)
-        grads = [p.grad for p in self.step_graph.params if p.grad is not None]
+        grads = []
+        for p in graph.params:
+            if p.grad is not None:
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                grads.append(p.grad)
         if grads:
             torch._foreach_zero_(grads)
+        graph.expect_gradients(fresh=set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
                 if id(p) in kept or p.grad is None:
@@ -258,6 +271,7 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         coefficients = newton_schulz.normalize_coefficients(group["ns_coefficients"])
+        self.step_graph.drop_missing_gradients()
         stepped = self._stepped_ids()
         todo = [p for p in group["params"] if p.grad is not None and id(p) in stepped]
         for p in todo:

@@ -278,14 +278,15 @@ def column_block_width(shape: Sequence[int], size: int) -> int:
     return -(-max(int(shape[-2]), int(shape[-1])) // size)
 
 
-def wide_column_block(matrix: Tensor, rank: int, size: int) -> Tensor:
+def wide_column_block(matrix: Tensor, rank: int, size: int, out: Tensor | None = None) -> Tensor:
     """Block ``rank`` of ``size`` of ``matrix``'s wide orientation (``matrix``, or its
     transpose when tall; a batch: per matrix), zero-padded to :func:`column_block_width`
-    columns; a new contiguous tensor."""
+    columns: a new contiguous tensor, or written into ``out`` (zeros expected where the
+    padding goes)."""
     x = matrix.mT if matrix.size(-2) > matrix.size(-1) else matrix
     width = column_block_width(matrix.shape, size)
     start, stop = min(rank * width, x.size(-1)), min((rank + 1) * width, x.size(-1))
-    block = x.new_zeros((*x.shape[:-1], width))
+    block = x.new_zeros((*x.shape[:-1], width)) if out is None else out
     block[..., : stop - start].copy_(x[..., start:stop])
     return block
 
@@ -315,8 +316,11 @@ def orthogonalize_column_blocks(
     B = bA + cA² (its share of the m³ term), the group gathers B, and X_k ← aX_k + B X_k
     needs nothing but X_k. So a rank does 1/T of every product, and per iteration the group
     moves one m×m all-reduce and one m×m all-gather. The Frobenius norm is the square root of
-    the summed squares. Partial products and squares are summed in float32 (float64 for
-    float64 NS) and rounded once: torch.optim.Muon's numbers up to the order of summation."""
+    the summed squares. The partial products (rounded to the NS dtype by their matmul, as
+    torch.optim.Muon's one product is) and the squares are summed in float32 (float64 for
+    float64 NS), then rounded once: in float64 torch.optim.Muon's numbers up to the order of
+    summation; in bf16 one more rounding per partial product (tests: error within 1.25× of
+    the whole-matrix bf16 NS's)."""
     squeeze = block.ndim == 2
     x = block.unsqueeze(0) if squeeze else block
     dtype = x.dtype

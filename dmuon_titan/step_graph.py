@@ -10,7 +10,11 @@ gradients, the momentum buffers. Torch allocates gradients anew each backward af
 ``zero_grad()``, and where they land depends on everything else allocated meanwhile (a
 validation pass, a second model): so while a graph is held, ``Muon.zero_grad`` zeroes the
 captured matrices' gradients in place instead of dropping them (one foreach pass), and
-backward accumulates into the same tensors. Each step compares those addresses and the
+backward accumulates into the same tensors. A matrix that then gets no gradient (unused in
+that step, or frozen) must still be skipped as torch.optim skips a ``None`` gradient: a
+post-accumulate-grad hook on each captured matrix records which ones got one, and the step
+drops the others' zeroed gradients first (the matrices then differ from the capture's:
+captured again, or eager). Each step compares those addresses and the
 hyper-parameters baked into the graph with the capture's; on any difference the step is
 captured again, and when that happens more than once in ``REPLAYS_PER_CAPTURE`` steps the
 graph is given up for good (eager steps from then on). The learning rate and weight decay
@@ -76,6 +80,9 @@ class MuonStepGraph:
         self.disabled = False
         #: the matrices the held graph steps (their gradients must stay where they are)
         self.params: list[torch.Tensor] = []
+        #: per matrix of ``params``: a gradient accumulated since ``expect_gradients``
+        self.arrived: list[bool] = []
+        self._hooks: list = []
 
     @staticmethod
     def _key(group: dict[str, Any], params: list[torch.Tensor], buffers) -> tuple:
@@ -115,18 +122,47 @@ class MuonStepGraph:
                 self.captures > MAX_RECAPTURES
                 and self.replays < REPLAYS_PER_CAPTURE * self.captures
             ):
-                self.disabled, self.graph, self.params = True, None, []
+                self.disabled, self.graph = True, None
+                self._watch([])
                 logger.warning(
                     f"DMuon: the Muon step's tensors moved {self.captures} times in "
                     f"{self.replays} steps; stepping without a CUDA graph from here on"
                 )
                 return False
             self.graph, self.key = self._capture(body), key
-            self.params = list(params)
+            self._watch(params)
             self.captures += 1
         self.graph.replay()
         self.replays += 1
         return True
+
+    def _watch(self, params: list[torch.Tensor]) -> None:
+        """Hold ``params``'s gradients (see the module doc) and watch which get one."""
+        for handle in self._hooks:
+            handle.remove()
+        self.params, self.arrived = list(params), [True] * len(params)
+
+        def arrived(index: int):
+            def hook(_param) -> None:
+                self.arrived[index] = True
+
+            return hook
+
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(arrived(i)) for i, p in enumerate(params)
+        ]
+
+    def expect_gradients(self, fresh: bool) -> None:
+        """``zero_grad`` zeroed the held gradients: with ``fresh`` (``set_to_none=True``)
+        only those a backward accumulates into from here on count as gradients."""
+        self.arrived = [not fresh] * len(self.params)
+
+    def drop_missing_gradients(self) -> None:
+        """Before the step: held matrices that got no gradient since ``zero_grad`` lose their
+        zeroed one (``None``: skipped, as torch.optim does)."""
+        for p, arrived in zip(self.params, self.arrived, strict=True):
+            if not arrived:
+                p.grad = None
 
     def _capture(self, body: Callable[[StepScalars], None]) -> torch.cuda.CUDAGraph:
         """Record ``body`` on a side stream (as ``torch.cuda.graph`` does, without its

@@ -60,7 +60,8 @@ def choose_boundary_collectives(
 def boundary_collectives(plan: Plan, shard_size: int, collectives: str) -> dict[str, str]:
     """``"broadcast"`` or ``"gather"`` for every boundary of ``plan`` (in first-appearance
     order) for a shard group of ``shard_size`` ranks: its buckets are its matrices grouped by
-    owner column (``owner % shard_size``). Stacks are not in buckets: they move by an
+    owner column (``(owner // tp_size) % shard_size``: slots are ``(r · S + s) · T + t``).
+    Stacks are not in buckets: they move by an
     all-gather and a reduce-scatter of their own, whatever the boundary's choice (a boundary
     of stacks alone is ``"broadcast"``, with no bucket to move)."""
     check_boundary_collectives(collectives)
@@ -70,7 +71,8 @@ def boundary_collectives(plan: Plan, shard_size: int, collectives: str) -> dict[
             columns.setdefault(spec.boundary, {})
             continue
         sizes = columns.setdefault(spec.boundary, {})
-        sizes[owner % shard_size] = sizes.get(owner % shard_size, 0) + spec.numel
+        column = (owner // plan.tp_size) % shard_size
+        sizes[column] = sizes.get(column, 0) + spec.numel
     return {
         boundary: choose_boundary_collectives(list(sizes.values()), shard_size, collectives)
         for boundary, sizes in columns.items()

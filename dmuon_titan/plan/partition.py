@@ -36,9 +36,10 @@ SHARED_NS_FLOPS_PER_BYTE = 2000
 
 def shared_ns_bytes(shape: Sequence[int], tp_size: int, ns_steps: int = 5) -> int:
     """Bytes one rank of a row moves to share the NS of a ``shape`` matrix over its
-    ``tp_size`` ranks (bf16 NS): its column block in and its result out, then per iteration
-    a ring all-reduce of the float32 m×m Gram matrix (2·(T−1)/T of it) and an all-gather of
-    the bf16 m×m update ((T−1)/T of it)."""
+    ``tp_size`` ranks (bf16 NS), the planner's estimate: its column block in and its result
+    out, then per iteration a ring all-reduce of the float32 m×m Gram matrix (2·(T−1)/T of
+    it, what a ring puts on the wire; ``summarize_plan`` counts (T−1)/T, the convention of
+    its other phases) and an all-gather of the bf16 m×m update ((T−1)/T of it)."""
     from ..newton_schulz import column_block_width
 
     m = min(int(shape[-2]), int(shape[-1]))
@@ -95,7 +96,8 @@ class Plan:
     specs: tuple[ParamSpec, ...]
     owners: tuple[int, ...]
     costs: tuple[int, ...]
-    #: the NS algorithm the costs are FLOPs of (see ``dmuon_titan.plan.cost.NS_ALGORITHMS``)
+    #: the NS algorithm the owners were balanced for (see ``plan.cost.NS_ALGORITHMS``): the
+    #: costs are its FLOPs, but plain NS's for shared specs (which run plain NS)
     ns_algorithm: str = "plain"
     #: tensor-parallel degree T: slots ``row · T + t``, a row being T consecutive slots
     tp_size: int = 1
@@ -195,16 +197,16 @@ def plan_partition(
         owners[i] = rows.owners[i] * tp_size + t
     shared = tuple(not s.stacked for s in specs)
     shared_plan = Plan(
-        world_size, tuple(specs), tuple(owners), rows.costs, "plain", tp_size, shared
+        world_size, tuple(specs), tuple(owners), rows.costs, ns_algorithm, tp_size, shared
     )
     if tp_ns == "auto":
         row_bytes = [0] * (world_size // tp_size)
         for spec, owner in zip(specs, owners, strict=True):
             if not spec.stacked:
                 row_bytes[owner // tp_size] += shared_ns_bytes(spec.shape, tp_size)
+        loads = shared_plan.load_per_rank()
         shared_time = max(
-            max(shared_plan.load_per_rank()[r * tp_size : (r + 1) * tp_size])
-            + SHARED_NS_FLOPS_PER_BYTE * row_bytes[r]
+            max(loads[r * tp_size : (r + 1) * tp_size]) + SHARED_NS_FLOPS_PER_BYTE * row_bytes[r]
             for r in range(len(row_bytes))
         )
         if shared_time >= max(owner_plan.load_per_rank()):

@@ -36,6 +36,12 @@ from .owned_param import DedicatedParam
 
 PHASE = "tp_ns"
 
+#: a shared batch holds at most this many elements of m×m (Gram) or m×w (block) per matrix
+#: (at least one matrix): its scratch — the float32 Gram, its NS-dtype copy, the gathered
+#: update — stays near the owner path's chunks (``DEFAULT_NS_BATCH_NUMEL``). A constant,
+#: not an option: every rank of a row must cut the same batches.
+SHARED_BATCH_NUMEL = 1 << 27
+
 
 class _RowCollectives:
     """:class:`~dmuon_titan.newton_schulz.BlockCollectives` over the tp group."""
@@ -66,10 +72,16 @@ class SharedNewtonSchulz:
         self.row = [p for p in params if p.shared_ns and p.in_owner_row]
         #: by owner tp coordinate
         self.by_owner = [[p for p in self.row if p.owner_tp_rank == t] for t in range(self.tp_size)]
-        #: same-shape batches (first appearance order): each one orthogonalization
-        self.batches: dict[tuple[int, ...], list[DedicatedParam]] = {}
+        #: same-shape batches (first appearance order, cut at ``SHARED_BATCH_NUMEL``): each
+        #: one orthogonalization
+        by_shape: dict[tuple[int, ...], list[DedicatedParam]] = {}
         for p in self.row:
-            self.batches.setdefault(tuple(p.shape), []).append(p)
+            by_shape.setdefault(tuple(p.shape), []).append(p)
+        self.batches: list[list[DedicatedParam]] = []
+        for shape, members in by_shape.items():
+            m = min(shape)
+            per = max(1, SHARED_BATCH_NUMEL // max(m * m, block_numel(members[0], self.tp_size)))
+            self.batches += [members[i : i + per] for i in range(0, len(members), per)]
         self.group = _RowCollectives(comm)
 
     @torch.no_grad()
@@ -82,22 +94,27 @@ class SharedNewtonSchulz:
         dtype: torch.dtype,
     ) -> dict[int, torch.Tensor]:
         """NS of the row's shared matrices. ``inputs``: parameter index -> the whole NS input
-        (``dtype``) of each shared matrix this rank owns and has a gradient for; returns the
-        whole orthogonalized matrix for each of them. Every rank of the row must call it."""
+        (``dtype``) of each shared matrix this rank owns and has a gradient for (consumed:
+        each is dropped once cut into blocks); returns the whole orthogonalized matrix for
+        each of them. Every rank of the row must call it."""
         if not self.row:
             return {}
         device, size = self.comm.device, self.tp_size
+        present: set[int] = set()
         mine = self.by_owner[self.tp_rank]
         per_dest = sum(block_numel(p, size) for p in mine)
         send = torch.zeros(per_dest * size, dtype=dtype, device=device)
-        offset = 0
-        for k in range(size):
-            for p in mine:
-                n = block_numel(p, size)
-                if p.index in inputs:
-                    block = wide_column_block(inputs[p.index], k, size)
-                    send[offset : offset + n].view(block.shape).copy_(block)
-                offset += n
+        start = 0
+        for p in mine:  # into destination k's part: each of its matrices' block k
+            n, width = block_numel(p, size), column_block_width(p.shape, size)
+            matrix = inputs.pop(p.index, None)
+            if matrix is not None:
+                for k in range(size):
+                    out = send[k * per_dest + start : k * per_dest + start + n]
+                    wide_column_block(matrix, k, size, out=out.view(min(p.shape), width))
+                present.add(p.index)
+            del matrix
+            start += n
         splits = [sum(block_numel(p, size) for p in part) for part in self.by_owner]
         recv = torch.empty(sum(splits), dtype=dtype, device=device)
         self.comm.all_to_all(recv, send, splits, [per_dest] * size, PHASE).wait()
@@ -111,7 +128,7 @@ class SharedNewtonSchulz:
                 blocks[p.index] = recv[offset : offset + n].view(min(p.shape), width)
                 offset += n
         results: dict[int, torch.Tensor] = {}
-        for members in self.batches.values():
+        for members in self.batches:
             batch = torch.stack([blocks[p.index] for p in members])
             out = orthogonalize_column_blocks(batch, coefficients, ns_steps, eps, self.group)
             results.update(zip((p.index for p in members), out.unbind(0), strict=True))
@@ -121,7 +138,7 @@ class SharedNewtonSchulz:
         self.comm.all_to_all(returned, back, [per_dest] * size, splits, PHASE).wait()
         whole: dict[int, torch.Tensor] = {}
         for i, p in enumerate(mine):
-            if p.index not in inputs:
+            if p.index not in present:
                 continue
             start = sum(block_numel(q, size) for q in mine[:i])
             n, width = block_numel(p, size), column_block_width(p.shape, size)

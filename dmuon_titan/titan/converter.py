@@ -285,8 +285,10 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
     plain = sum(orthogonalize_flops(p["shape"], "plain") for p in summary["params"])
     z = "Z3" if options["reshard_after_forward"] else "Z2"
     tp = f" x {summary['tp_size']} tensor-parallel" if summary["tp_size"] > 1 else ""
+    ns = f"NS {cfg.ns_algorithm} in {cfg.ns_dtype}"
     if any(p["shared_ns"] for p in summary["params"]):
         tp += ", Newton-Schulz shared by each owner's tensor-parallel row"
+        ns = f"NS plain (shared by the tp rows) in {cfg.ns_dtype}"
     logger.info(
         f"DMuon: {where}{summary['num_params']} matrices on {summary['world_size']} ranks "
         f"({_count(summary['replicate_size'], 'replica')} x "
@@ -296,7 +298,7 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
         f"{[round(x / 1e9, 1) for x in loads]} (imbalance {summary['imbalance']:.3f}; "
         f"plain-NS GFLOP {plain / 1e9:.1f} in all), "
         f"{summary['bytes_per_rank_per_step']['total'] / 2**20:.1f} MiB per rank per step "
-        f"({z}, {_layouts(summary['boundaries'])}); NS {cfg.ns_algorithm} in {cfg.ns_dtype}"
+        f"({z}, {_layouts(summary['boundaries'])}); {ns}"
     )
 
 

@@ -19,8 +19,8 @@ each rank's tp shard in the data-parallel phases plus the tp gather/scatter (fp3
 ``--tp-ns``: who runs a matrix's Newton–Schulz under TP (``dedicate_params(tp_ns=...)``):
 its owner alone, its owner's row of T ranks together (``shared``, plain NS; the bytes then
 add its bf16 column blocks out and back and, per iteration, an fp32 m×m all-reduce and a
-bf16 m×m all-gather over the row), or ``auto`` (shared where the owner plan's imbalance
-exceeds 1.05, the default).
+bf16 m×m all-gather over the row), or ``auto`` (the default: shared where the slowest
+row's FLOPs plus 2000 FLOPs per byte of its traffic beat the owner plan's slowest rank).
 """
 
 from __future__ import annotations

@@ -205,6 +205,10 @@ def test_boundary_collectives_group_matrices_by_owner_column():
     # a: both matrices in column 0 (owners 0 and 2, two replicas): one bucket, broadcast
     one_column = Plan(4, specs, owners=(0, 2, 1, 2), costs=(1, 1, 1, 1))
     assert boundary_collectives(one_column, 2, "auto") == {"a": "broadcast", "b": "gather"}
+    # 2 shards x tp 2: slots (shard · 2 + tp), column = (owner // 2) % 2; owners 0 and 1 are
+    # both column 0 (one bucket: broadcast), not columns 0 and 1
+    tp = Plan(4, specs, owners=(0, 1, 0, 2), costs=(1, 1, 1, 1), tp_size=2)
+    assert boundary_collectives(tp, 2, "auto") == {"a": "broadcast", "b": "gather"}
 
 
 # ---------------------------------------------------------------- expert stacks (3-D)
@@ -334,3 +338,22 @@ def test_shared_ns_is_part_of_the_fingerprint_and_bad_tp_ns_is_named():
         plan_partition(specs, 8, tp_size=2, tp_ns="row")
     with pytest.raises(ValueError, match="tp_size 3 must divide world_size 8"):
         plan_partition(specs, 8, tp_size=3)
+
+
+def test_shared_batches_are_cut_the_same_on_every_rank(monkeypatch):
+    """SharedNewtonSchulz's batches: same-shape matrices of the row in plan order, cut at
+    SHARED_BATCH_NUMEL elements of m×m or block per matrix (at least one each)."""
+    from types import SimpleNamespace
+
+    from dmuon_titan.runtime import shared_ns
+
+    monkeypatch.setattr(shared_ns, "SHARED_BATCH_NUMEL", 2 * 64 * 64)
+    params = [
+        SimpleNamespace(
+            index=i, shape=shape, shared_ns=True, in_owner_row=True, owner_tp_rank=i % 2
+        )
+        for i, shape in enumerate([(64, 128)] * 5 + [(256, 64)] * 2 + [(64, 128)])
+    ]
+    comm = SimpleNamespace(mesh=SimpleNamespace(tp_size=2, tp_rank=0))
+    batches = shared_ns.SharedNewtonSchulz(params, comm).batches
+    assert [[p.index for p in b] for b in batches] == [[0, 1], [2, 3], [4, 7], [5], [6]]

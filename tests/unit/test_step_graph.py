@@ -29,7 +29,7 @@ class _ReplayedBody:
         self.body(self.owner.scalars)
 
 
-def _train(cpu_mesh, graph: bool, steps: int = 4, keep_grads: bool = True):
+def _train(cpu_mesh, graph: bool, steps: int = 4, keep_grads: bool = True, freeze_at=None):
     torch.manual_seed(0)
     model = ToyTransformer().double()
     dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
@@ -45,6 +45,8 @@ def _train(cpu_mesh, graph: bool, steps: int = 4, keep_grads: bool = True):
     )
     with patches[0] if graph else contextlib.nullcontext(), patches[1]:
         for step in range(steps):
+            if step == freeze_at:  # one dedicated matrix stops training
+                model.layers[0].attention.wq.weight.requires_grad_(False)
             tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
             loss_fn(model(tokens), tokens).backward()
             optimizer.step()
@@ -98,3 +100,17 @@ def test_zero_grad_keeps_the_captured_gradients_where_the_graph_reads_them(cpu_m
     assert not any(p.grad.abs().max() for p in record.params)  # zeroed after the last step
     eager, _ = _train(cpu_mesh, graph=False, steps=8, keep_grads=False)
     assert max((eager[k] - graphed[k]).abs().max().item() for k in eager) <= 1e-14
+
+
+def test_a_held_matrix_without_a_gradient_is_skipped_as_torch_optim_skips_it(cpu_mesh):
+    """A captured matrix frozen after the capture gets no gradient: its zeroed, held
+    gradient is dropped before the step (torch.optim skips a None gradient; stepping the
+    zeros would decay its momentum and weight), the others are captured again; the weights
+    equal the eager run's, the frozen matrix unchanged from the freeze on."""
+    graphed, record = _train(cpu_mesh, graph=True, steps=6, keep_grads=False, freeze_at=3)
+    eager, _ = _train(cpu_mesh, graph=False, steps=6, keep_grads=False, freeze_at=3)
+    assert record.captures == 2 and not record.disabled
+    assert max((eager[k] - graphed[k]).abs().max().item() for k in eager) <= 1e-14
+    frozen_at_3, _ = _train(cpu_mesh, graph=True, steps=3, keep_grads=False)
+    key = "layers.0.attention.wq.weight"
+    assert torch.equal(graphed[key], frozen_at_3[key])
