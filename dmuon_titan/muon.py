@@ -217,29 +217,25 @@ class Muon(torch.optim.Optimizer):
         kept = {id(p) for p in graph.params}
         if not kept:
             return super().zero_grad(set_to_none)
-        grads = []
-        for p in graph.params:
-            if p.grad is not None:
-                if p.grad.grad_fn is not None:
+        held = []  # zeroed by one foreach pass (plain tensors of the direct path)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none and id(p) not in kept:
+                    p.grad = None
+                    continue
+                if p.grad.grad_fn is not None:  # (torch's zero_grad does the same)
                     p.grad.detach_()
                 else:
                     p.grad.requires_grad_(False)
-                grads.append(p.grad)
-        if grads:
-            torch._foreach_zero_(grads)
-        graph.expect_gradients(fresh=set_to_none)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if id(p) in kept or p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
+                if id(p) in kept:
+                    held.append(p.grad)
                 else:
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
-                    else:
-                        p.grad.requires_grad_(False)
                     p.grad.zero_()
+        if held:
+            torch._foreach_zero_(held)
+        graph.expect_gradients(fresh=set_to_none)
 
     @staticmethod
     def _before_step(optimizer: Muon, _args, _kwargs) -> None:
@@ -327,15 +323,7 @@ class Muon(torch.optim.Optimizer):
                 continue
             orthos = [out] if len(chunk) == 1 else out.unbind(0)
             for p, ortho in zip(chunk, orthos, strict=True):
-                target, ortho = self._scatter(p, ortho)
-                update.apply_update(
-                    target,
-                    ortho,
-                    lr=group["lr"],
-                    weight_decay=group["weight_decay"],
-                    adjust_lr_fn=group["adjust_lr_fn"],
-                    shape=p.shape,
-                )
+                self._update_matrix(p, ortho, group)
             del orthos, out  # NS's output for the chunk: free it before the next chunk
 
     def _step_shared(
@@ -355,15 +343,20 @@ class Muon(torch.optim.Optimizer):
         self.timer.stop("ns")
         del inputs
         for p in params:
-            target, ortho = self._scatter(p, orthos.pop(dedicated_of(p).index))
-            update.apply_update(
-                target,
-                ortho,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                adjust_lr_fn=group["adjust_lr_fn"],
-                shape=p.shape,
-            )
+            self._update_matrix(p, orthos.pop(dedicated_of(p).index), group)
+
+    def _update_matrix(self, p: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any]) -> None:
+        """:func:`update.apply_update` of one matrix by its orthogonalized direction (to the
+        part ``_scatter`` says this rank updates)."""
+        target, ortho = self._scatter(p, ortho)
+        update.apply_update(
+            target,
+            ortho,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            adjust_lr_fn=group["adjust_lr_fn"],
+            shape=p.shape,
+        )
 
     def _step_stack(self, p: torch.Tensor, group: dict[str, Any], coefficients) -> None:
         """Muon on each matrix of a stack (this rank's experts): the momentum step and the
