@@ -19,10 +19,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .newton_schulz import column_block_width
 from .options import DedicateOptions
 from .plan import ParamSpec, plan_partition, select_boundaries
 from .plan.collectives import boundary_collectives
+from .plan.cost import shared_ns_moved_bytes
 from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL
 from .runtime.collectives import Collectives
 from .runtime.fsdp import install_fully_shard_patch, install_replicate_patch, register_tied
@@ -594,11 +594,8 @@ def _bytes_per_step(
     numel / T elements) in the data-parallel phases, and the owners' rows exchange the rest:
     ``tp_gather`` (gradient shards to the owner) and ``tp_scatter`` (the updated master's
     shards back) each carry (T - 1) · L elements per matrix, over R · S · T ranks.
-    ``tp_ns``, per matrix whose Newton–Schulz its row shares (m its short side, w the
-    column block width ⌈long / T⌉, p = ⌈m / T⌉ rows of the update per rank, s the NS dtype's
-    size, a 4 bytes, 8 for float64 NS): (T - 1) · (2·m·w·s + a + ns_steps · (m²·a + T·p·m·s))
-    in all — the blocks out and back, the norm, and per iteration the Gram all-reduce and
-    the update all-gather — over R · S · T ranks."""
+    ``tp_ns``: :func:`~dmuon_titan.plan.cost.shared_ns_moved_bytes` of each matrix whose
+    Newton–Schulz its row shares, over R · S · T ranks."""
     shard, replicas, tp = state.mesh.shard_size, state.mesh.replicate_size, state.mesh.tp_size
 
     def param_size(p) -> int:
@@ -642,18 +639,15 @@ def _bytes_per_step(
         "replicate_broadcast": master_bytes * across,
         "tp_gather": (tp - 1) * reduce_bytes / world,
         "tp_scatter": (tp - 1) * master_bytes / world,
-        "tp_ns": 0.0,
     }
-    size = ns_dtype.itemsize
-    acc = 8 if ns_dtype == torch.float64 else 4
-    for p in matrices:
-        if p.shared_ns:
-            m = min(p.shape)
-            width, per = column_block_width(p.shape, tp), -(-m // tp)
-            per_step["tp_ns"] += (
-                (tp - 1)
-                * (2 * m * width * size + acc + ns_steps * (m * m * acc + tp * per * m * size))
-                / world
-            )
+    sums = 8 if ns_dtype == torch.float64 else 4
+    per_step["tp_ns"] = (
+        sum(
+            shared_ns_moved_bytes(p.shape, tp, ns_dtype.itemsize, sums, ns_steps)
+            for p in matrices
+            if p.shared_ns
+        )
+        / world
+    )
     per_step["total"] = sum(per_step.values())
     return per_step

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .fused import divide_
-from .plan.cost import DEFAULT_GRAM_RESTARTS, ns_algorithm_for
+from .plan.cost import DEFAULT_GRAM_RESTARTS, column_block_width, ns_algorithm_for
 from .symmetric import runs_for as symmetric_kernel_runs_for
 from .symmetric import symmetric_matmul
 
@@ -269,13 +269,6 @@ class BlockCollectives(Protocol):
     def all_gather(self, tensor: Tensor) -> Tensor:
         """Every rank's ``tensor`` (same shape everywhere), stacked on a new dim 0 in rank
         order."""
-
-
-def column_block_width(shape: Sequence[int], size: int) -> int:
-    """Columns of each rank's block of the wide orientation of a ``shape`` matrix (X, m×n
-    with m ≤ n) when ``size`` ranks share its NS: ⌈n / size⌉ (the last blocks padded with
-    zero columns, which stay zero and do not touch the others)."""
-    return -(-max(int(shape[-2]), int(shape[-1])) // size)
 
 
 def wide_column_block(matrix: Tensor, rank: int, size: int, out: Tensor | None = None) -> Tensor:

@@ -19,7 +19,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cost import check_ns_algorithm, orthogonalize_flops
+from .cost import check_ns_algorithm, column_block_width, orthogonalize_flops
 
 #: Matrices with at most this many elements are "small": all small matrices of one boundary
 #: go to a single owner so the boundary issues one collective for them instead of many.
@@ -40,8 +40,6 @@ def shared_ns_bytes(shape: Sequence[int], tp_size: int, ns_steps: int = 5) -> in
     out, then per iteration a ring all-reduce of the float32 m×m Gram matrix (2·(T−1)/T of
     it, what a ring puts on the wire; ``summarize_plan`` counts (T−1)/T, the convention of
     its other phases) and an all-gather of the bf16 m×m update ((T−1)/T of it)."""
-    from ..newton_schulz import column_block_width
-
     m = min(int(shape[-2]), int(shape[-1]))
     blocks = 2 * m * column_block_width(shape, tp_size) * 2
     return blocks + ns_steps * (tp_size - 1) * m * m * (2 * 4 + 2) // tp_size

@@ -26,11 +26,11 @@ import torch
 
 from ..newton_schulz import (
     Coefficients,
-    column_block_width,
     from_wide_column_blocks,
     orthogonalize_column_blocks,
     wide_column_block,
 )
+from ..plan.cost import column_block_width
 from .collectives import Collectives
 from .owned_param import DedicatedParam
 

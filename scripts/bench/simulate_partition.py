@@ -28,9 +28,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from dmuon_titan.newton_schulz import column_block_width
 from dmuon_titan.plan import TP_NS_MODES, ParamSpec, plan_partition
-from dmuon_titan.plan.cost import NS_ALGORITHMS, orthogonalize_flops
+from dmuon_titan.plan.cost import NS_ALGORITHMS, orthogonalize_flops, shared_ns_moved_bytes
 from dmuon_titan.plan.partition import SHARDED, stack_pieces
 
 MODELS = {
@@ -168,10 +167,7 @@ def main() -> None:
                     row = owner - owner % tp
                     for k in range(row, row + tp):
                         loads[k] += orthogonalize_flops(spec.shape, "plain") // tp
-                    m = min(spec.shape)
-                    width = column_block_width(spec.shape, tp)
-                    shared_bytes += 2 * (tp - 1) * m * width * 2  # blocks out and back, bf16
-                    shared_bytes += 5 * (tp - 1) * m * m * (4 + 2)  # per iteration, T ranks
+                    shared_bytes += shared_ns_moved_bytes(spec.shape, tp)  # bf16 NS
                 else:
                     loads[owner] += cost
             per_block: dict[str, list[int]] = {}
