@@ -5,24 +5,24 @@ import pytest
 from dmuon_titan.plan import ParamSpec, plan_partition
 from dmuon_titan.plan.cost import gram_ns_flops, ns_flops, orthogonalize_flops
 
-LLAMA3_8B = {
-    "attention.wq": (4096, 4096),
-    "attention.wk": (1024, 4096),
-    "attention.wv": (1024, 4096),
-    "attention.wo": (4096, 4096),
-    "feed_forward.w1": (14336, 4096),
-    "feed_forward.w2": (4096, 14336),
-    "feed_forward.w3": (14336, 4096),
-}
-LLAMA3_1B = {
-    "attention.wq": (2048, 2048),
-    "attention.wk": (512, 2048),
-    "attention.wv": (512, 2048),
-    "attention.wo": (2048, 2048),
-    "feed_forward.w1": (8192, 2048),
-    "feed_forward.w2": (2048, 8192),
-    "feed_forward.w3": (8192, 2048),
-}
+
+def llama_shapes(dim: int, kv: int, ffn: int) -> dict[str, tuple[int, int]]:
+    """The seven matrices of a llama3 block: width ``dim``, ``kv`` key/value features,
+    ``ffn`` hidden features."""
+    return {
+        "attention.wq": (dim, dim),
+        "attention.wk": (kv, dim),
+        "attention.wv": (kv, dim),
+        "attention.wo": (dim, dim),
+        "feed_forward.w1": (ffn, dim),
+        "feed_forward.w2": (dim, ffn),
+        "feed_forward.w3": (ffn, dim),
+    }
+
+
+LLAMA3_8B = llama_shapes(4096, 1024, 14336)
+LLAMA3_1B = llama_shapes(2048, 512, 8192)
+LLAMA3_70B = llama_shapes(8192, 1024, 28672)
 
 
 def llama_specs(shapes, n_layers):
@@ -281,15 +281,6 @@ def test_deepseek_v3_scale_plan_is_quick_and_balanced():
 
 
 # ---------------------------------------------------------------------- tp_ns
-LLAMA3_70B = {
-    "attention.wq": (8192, 8192),
-    "attention.wk": (1024, 8192),
-    "attention.wv": (1024, 8192),
-    "attention.wo": (8192, 8192),
-    "feed_forward.w1": (28672, 8192),
-    "feed_forward.w2": (8192, 28672),
-    "feed_forward.w3": (28672, 8192),
-}
 
 
 @pytest.mark.parametrize("dp", [8, 32, 128])
