@@ -82,6 +82,19 @@ class SharedNewtonSchulz:
             m = min(shape)
             per = max(1, SHARED_BATCH_NUMEL // max(m * m, block_numel(members[0], self.tp_size)))
             self.batches += [members[i : i + per] for i in range(0, len(members), per)]
+        #: each row matrix's (m, w): one rank's column block of its wide orientation
+        self.block_shape = {
+            p.index: (min(p.shape), column_block_width(p.shape, self.tp_size)) for p in self.row
+        }
+        #: the matrices this rank owns, and where each one's block sits in a rank's part
+        self.mine = self.by_owner[self.tp_rank]
+        self.starts, start = {}, 0
+        for p in self.mine:
+            self.starts[p.index] = start
+            start += block_numel(p, self.tp_size)
+        #: elements this rank sends each rank (its matrices' blocks), and each owner sends it
+        self.per_dest = start
+        self.splits = [sum(block_numel(p, self.tp_size) for p in part) for part in self.by_owner]
         self.group = _RowCollectives(comm)
 
     @torch.no_grad()
@@ -99,33 +112,31 @@ class SharedNewtonSchulz:
         each of them. Every rank of the row must call it."""
         if not self.row:
             return {}
-        device, size = self.comm.device, self.tp_size
+        device, size, per_dest = self.comm.device, self.tp_size, self.per_dest
         present: set[int] = set()
-        mine = self.by_owner[self.tp_rank]
-        per_dest = sum(block_numel(p, size) for p in mine)
+
+        def part_of(buffer: torch.Tensor, k: int, p: DedicatedParam) -> torch.Tensor:
+            """``p``'s block in rank ``k``'s part of a buffer laid out by ``self.mine``."""
+            start = k * per_dest + self.starts[p.index]
+            return buffer[start : start + block_numel(p, size)].view(self.block_shape[p.index])
+
         send = torch.zeros(per_dest * size, dtype=dtype, device=device)
-        start = 0
-        for p in mine:  # into destination k's part: each of its matrices' block k
-            n, width = block_numel(p, size), column_block_width(p.shape, size)
+        for p in self.mine:  # into destination k's part: each of its matrices' block k
             matrix = inputs.pop(p.index, None)
             if matrix is not None:
                 for k in range(size):
-                    out = send[k * per_dest + start : k * per_dest + start + n]
-                    wide_column_block(matrix, k, size, out=out.view(min(p.shape), width))
+                    wide_column_block(matrix, k, size, out=part_of(send, k, p))
                 present.add(p.index)
             del matrix
-            start += n
-        splits = [sum(block_numel(p, size) for p in part) for part in self.by_owner]
-        recv = torch.empty(sum(splits), dtype=dtype, device=device)
-        self.comm.all_to_all(recv, send, splits, [per_dest] * size, PHASE).wait()
+        recv = torch.empty(sum(self.splits), dtype=dtype, device=device)
+        self.comm.all_to_all(recv, send, self.splits, [per_dest] * size, PHASE).wait()
         del send
         blocks: dict[int, torch.Tensor] = {}
         offset = 0
         for part in self.by_owner:
             for p in part:
                 n = block_numel(p, size)
-                width = column_block_width(p.shape, size)
-                blocks[p.index] = recv[offset : offset + n].view(min(p.shape), width)
+                blocks[p.index] = recv[offset : offset + n].view(self.block_shape[p.index])
                 offset += n
         results: dict[int, torch.Tensor] = {}
         for members in self.batches:
@@ -135,16 +146,11 @@ class SharedNewtonSchulz:
         del recv, blocks
         back = torch.cat([results[p.index].reshape(-1) for part in self.by_owner for p in part])
         returned = torch.empty(per_dest * size, dtype=dtype, device=device)
-        self.comm.all_to_all(returned, back, [per_dest] * size, splits, PHASE).wait()
-        whole: dict[int, torch.Tensor] = {}
-        for i, p in enumerate(mine):
-            if p.index not in present:
-                continue
-            start = sum(block_numel(q, size) for q in mine[:i])
-            n, width = block_numel(p, size), column_block_width(p.shape, size)
-            pieces = [
-                returned[k * per_dest + start : k * per_dest + start + n].view(min(p.shape), width)
-                for k in range(size)
-            ]
-            whole[p.index] = from_wide_column_blocks(pieces, p.shape)
-        return whole
+        self.comm.all_to_all(returned, back, [per_dest] * size, self.splits, PHASE).wait()
+        return {
+            p.index: from_wide_column_blocks(
+                [part_of(returned, k, p) for k in range(size)], p.shape
+            )
+            for p in self.mine
+            if p.index in present
+        }
