@@ -74,6 +74,14 @@ class Muon(torch.optim.Optimizer):
             (:mod:`dmuon_titan.step_graph`): a small model's step is host-bound and the
             Muon step launches far more kernels than fused AdamW. The step's timings then
             report no separate ``ns`` phase. ``False``: always eager.
+        async_step: with the captured step, replay it on a side stream and return at once
+            (:mod:`dmuon_titan.step_graph`): the host goes on to the next step while the GPU
+            runs Newton–Schulz (torchtitan's blocking batch copy waits for the compute stream
+            alone). The next forward and backward, ``zero_grad``, this optimizer's state
+            dict, DMuon's state-dict functions and ``wait_all_replicate_broadcasts`` wait for
+            it on the GPU; other code that reads the matrices between ``step()`` and the next
+            forward must call ``wait_all_replicate_broadcasts`` first. Same results.
+            ``False``: replayed on the current stream.
     """
 
     def __init__(
@@ -100,6 +108,7 @@ class Muon(torch.optim.Optimizer):
         ns_batch_numel: int = DEFAULT_NS_BATCH_NUMEL,
         ns_algorithm: str | None = None,
         cuda_graph: bool = True,
+        async_step: bool = True,
     ) -> None:
         options = MuonOptions(
             lr=lr,
@@ -120,6 +129,7 @@ class Muon(torch.optim.Optimizer):
             ns_batch_numel=ns_batch_numel,
             ns_algorithm=ns_algorithm,
             cuda_graph=cuda_graph,
+            async_step=async_step,
         )
         self._dmuon: DMuonState | None = getattr(model, STATE_ATTR, None)
         planned = self._dmuon.plan.ns_algorithm if self._dmuon is not None else "plain"
@@ -154,7 +164,9 @@ class Muon(torch.optim.Optimizer):
         #: Per-step phase times ("optimizer", "ns", "adamw"); read with :meth:`step_timings`.
         self.timer = PhaseTimer(device)
         #: the captured step of the matrices (one rank on a GPU; see ``cuda_graph``)
-        self.step_graph = MuonStepGraph()
+        self.step_graph = MuonStepGraph(async_step=options.async_step)
+        if self._dmuon is not None:  # (its forward, backward and state dicts wait for it)
+            self._dmuon.step_graphs.append(self.step_graph)
         self.register_step_pre_hook(Muon._before_step)
         self.register_step_post_hook(Muon._after_step)
 
@@ -204,7 +216,10 @@ class Muon(torch.optim.Optimizer):
                 self.timer.start("adamw")
                 self._adamw_step(group)
                 self.timer.stop("adamw")
-        self.timer.stop("optimizer")
+        side = self.step_graph.stream
+        if side is not None:  # (the captured step may still run there)
+            side.wait_stream(torch.cuda.current_stream())
+        self.timer.stop("optimizer", stream=side)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -212,7 +227,8 @@ class Muon(torch.optim.Optimizer):
         steps (``cuda_graph``): their gradients are zeroed in place whatever
         ``set_to_none`` says, so that the next backward accumulates where the graph reads
         (one that gets no gradient before the step is skipped all the same, see
-        :mod:`dmuon_titan.step_graph`)."""
+        :mod:`dmuon_titan.step_graph`); with ``async_step`` on the step's stream, after the
+        step that reads them."""
         graph = self.step_graph
         kept = {id(p) for p in graph.params}
         if not kept:
@@ -234,12 +250,21 @@ class Muon(torch.optim.Optimizer):
                 else:
                     p.grad.zero_()
         if held:
-            torch._foreach_zero_(held)
+            graph.zero_held(held)
         graph.expect_gradients(fresh=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.step_graph.wait()  # (the tensors are read after this returns)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step_graph.wait()
+        super().load_state_dict(state_dict)
 
     @staticmethod
     def _before_step(optimizer: Muon, _args, _kwargs) -> None:
         """A step pre-hook: current parameters, and the owners' gradients arrived."""
+        optimizer.step_graph.wait()
         optimizer.follow_model()
         if optimizer._dmuon is not None:
             optimizer._dmuon.finalize_reduces()

@@ -115,10 +115,12 @@ class MuonOptions:
     ns_batch_numel: int = DEFAULT_NS_BATCH_NUMEL
     ns_algorithm: str | None = None
     cuda_graph: bool = True
+    async_step: bool = True
 
     def __post_init__(self) -> None:
         check = _Checks("Muon", self)
         check.boolean("cuda_graph")
+        check.boolean("async_step")
         if self.adamw_lr is None:
             if self.adjust_lr_fn != "match_rms_adamw":
                 raise check.fail(

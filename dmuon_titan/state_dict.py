@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .api import clean_fqn, wait_all_replicate_broadcasts
@@ -231,6 +232,8 @@ def set_model_state_dict(
     model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True, *, full: bool = True
 ) -> None:
     """Load a state dict of the given form (a full one may come from a single-device model)."""
+    if _state(model) is not None:
+        wait_all_replicate_broadcasts(model)  # (a step in flight still writes the weights)
     entries = _model_entries(model, full)
     _check_keys("model", entries, state_dict, strict)
     for key, (target, p) in entries.items():
@@ -270,7 +273,13 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
         raise ValueError(f"expected a dmuon_titan.Muon optimizer, got {type(optimizer).__name__}")
     if optimizer._dmuon is not _state(model):
         raise ValueError("the optimizer was built for a different model")
+    # FSDP2 leaves the root's unsharded parameters registered after a forward without
+    # backward (an evaluation): the optimizer holds the sharded ones, so register those again.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     optimizer.follow_model()
+    optimizer.step_graph.wait()  # (a step in flight still writes its state)
 
 
 def _sharded_optimizer_entries(model: nn.Module, optimizer: Muon):

@@ -22,6 +22,17 @@ are not baked in: they enter through device scalars refreshed before each replay
 schedules keep working). The update ``p·decay − step·o``
 then runs as two foreach passes (multiply, add) rather than one fused multiply-add, which
 may round the last bit differently from the eager path.
+
+With ``async_step`` a replay runs on a side stream and ``step()`` returns before it is done.
+What matters is not the GPU but the host: torchtitan copies each batch to the GPU with a
+blocking copy, which waits for everything queued on the compute stream, so a step queued there
+holds the host until Newton–Schulz is over and only then lets it queue the next forward. On
+its own stream the step overlaps the host's work on the next step. Everything that reads or
+writes what the replay touches waits for its event on the GPU (``wait``), never on the host:
+the next forward (every boundary, and the root), the next backward's start (it accumulates
+into the held gradients), ``zero_grad`` (which zeroes those gradients on the side stream,
+after the replay), the state-dict functions and ``wait_all_replicate_broadcasts``. Same
+kernels, same inputs: the results are the current-stream replay's, bit for bit.
 """
 
 from __future__ import annotations
@@ -69,7 +80,13 @@ class StepScalars:
 class MuonStepGraph:
     """Capture and replay of one Muon group's step (see the module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, async_step: bool = False) -> None:
+        #: replay on :attr:`stream` and return at once (see the module doc)
+        self.async_step = async_step
+        #: the side stream replays run on, and the event of the last replay (or of the
+        #: gradient zeroing queued after it); None until the first asynchronous replay
+        self.stream: torch.cuda.Stream | None = None
+        self.done: torch.cuda.Event | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.key: tuple | None = None
         self.scalars: StepScalars | None = None
@@ -112,6 +129,7 @@ class MuonStepGraph:
                 self.scalars = StepScalars(params[0].device, params[0].dtype)
             for p in params:
                 self.scalars.neg_step(p.shape)
+        self.wait()  # (the last replay still reads the scalars refreshed next)
         self.scalars.refresh(group)
         if not self.warmed:
             body(self.scalars)
@@ -122,6 +140,7 @@ class MuonStepGraph:
                 self.captures > MAX_RECAPTURES
                 and self.replays < REPLAYS_PER_CAPTURE * self.captures
             ):
+                self._drain()
                 self.disabled, self.graph = True, None
                 self._watch([])
                 logger.warning(
@@ -129,12 +148,54 @@ class MuonStepGraph:
                     f"{self.replays} steps; stepping without a CUDA graph from here on"
                 )
                 return False
+            self._drain()  # (the graph replaced may still run)
             self.graph, self.key = self._capture(body), key
             self._watch(params)
             self.captures += 1
-        self.graph.replay()
+        self._replay()
         self.replays += 1
         return True
+
+    def _replay(self) -> None:
+        if not (self.async_step and self.scalars.device.type == "cuda"):
+            self.graph.replay()
+            return
+        current = torch.cuda.current_stream()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=current.device)
+            self.done = torch.cuda.Event()
+        self.stream.wait_stream(current)  # gradients, clipping, the refreshed scalars
+        with torch.cuda.stream(self.stream):
+            self.graph.replay()
+        self.done.record(self.stream)
+
+    def _drain(self) -> None:
+        """Wait on the host for the side stream: before a graph it runs is destroyed."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether replays run on a side stream (their last event is :attr:`done`)."""
+        return self.done is not None
+
+    def wait(self) -> None:
+        """Make the current stream wait (on the GPU) for the last replay and what was queued
+        after it on the side stream; nothing without asynchronous replays."""
+        if self.done is not None:
+            torch.cuda.current_stream().wait_event(self.done)
+
+    def zero_held(self, grads: list[torch.Tensor]) -> None:
+        """Zero ``grads`` (the held gradients) in place: on the side stream after the last
+        replay, which reads them, when replays are asynchronous (:attr:`done` then covers the
+        zeroing too); else on the current stream."""
+        if self.done is None:
+            torch._foreach_zero_(grads)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())  # (their last reads there)
+        with torch.cuda.stream(self.stream):
+            torch._foreach_zero_(grads)
+        self.done.record(self.stream)
 
     def _watch(self, params: list[torch.Tensor]) -> None:
         """Hold ``params``'s gradients (see the module doc) and watch which get one."""

@@ -33,11 +33,13 @@ class PhaseTimer:
         else:
             self._open[phase] = time.perf_counter()
 
-    def stop(self, phase: str) -> None:
+    def stop(self, phase: str, stream: torch.cuda.Stream | None = None) -> None:
+        """End ``phase``; on CUDA its end is recorded on ``stream`` (default: the current
+        one), for a phase whose work finishes on another stream."""
         begin = self._open.pop(phase)
         if self._cuda:
             end = torch.cuda.Event(enable_timing=True)
-            end.record()
+            end.record(stream)
             self._intervals[phase].append((begin, end))
         else:
             self._intervals[phase].append((begin, time.perf_counter()))

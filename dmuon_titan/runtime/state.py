@@ -99,6 +99,9 @@ class DMuonState:
         self._initialized = False
         self.direct = False  # decided at lazy init
         self._replicas_synced = False
+        #: the optimizers' captured steps (``dmuon_titan.step_graph``): with ``async_step``
+        #: they run on a side stream, and what reads the matrices waits for them
+        self.step_graphs: list = []
         #: how many times the gradient-presence flags were read back (a host sync each);
         #: stays 0 while every owner has its own gradient for every matrix it owns
         self.presence_syncs = 0
@@ -157,11 +160,16 @@ class DMuonState:
             return
         self.lazy_init()
         if self.direct:
+            self.wait_for_step()
             return
         self._end_forward_pass()  # one left open by forwards of submodules alone
         self._pass = ForwardCursor(training=torch.is_grad_enabled())
 
     def root_post_forward(self, output):
+        if self.direct and torch.is_grad_enabled() and not in_backward():
+            # backward accumulates into the gradients a step in flight may still zero (a
+            # zero_grad between this forward and the backward)
+            return hooks.register_pre_backward(output, self.wait_for_step)
         if in_backward() or self._pass is None or self.direct:
             return output
         training = self._pass.training
@@ -173,6 +181,7 @@ class DMuonState:
     def pre_forward(self, group: BoundaryGroup) -> None:
         self.lazy_init()
         if self.direct:
+            self.wait_for_step()
             return
         if in_backward():  # activation-checkpoint recompute: backward's turn for the boundary
             self._begin_backward()
@@ -417,8 +426,15 @@ class DMuonState:
             self.wait_all_replicate_broadcasts()
 
     def wait_all_replicate_broadcasts(self) -> None:
+        self.wait_for_step()
         for group in self.groups:
             group.wait_replicate()
+
+    def wait_for_step(self) -> None:
+        """The current stream waits (on the GPU) for an optimizer step still in flight on its
+        own stream (``Muon(async_step=True)``); nothing otherwise."""
+        for graph in self.step_graphs:
+            graph.wait()
 
     def ensure_replicas_synced(self) -> None:
         if not self._replicas_synced:

@@ -146,6 +146,12 @@ class DMuon:
     kernels than fused AdamW. The logged ``ns`` time is then 0 (inside the graph). false:
     always eager."""
 
+    async_step: bool = True
+    """With ``cuda_graph``: replay the captured step on a side stream, so the host prepares the
+    next step (the trainer's batch copy waits for the compute stream alone) while the GPU runs
+    Newton-Schulz; the next forward and backward, checkpoints and state dicts wait for it on
+    the GPU. Same results. false: replayed on the compute stream."""
+
     def __post_init__(self) -> None:
         validate(self)
 
@@ -186,6 +192,7 @@ class DMuon:
             ns_batch_numel=self.ns_batch_numel,
             ns_algorithm=self.ns_algorithm,
             cuda_graph=self.cuda_graph,
+            async_step=self.async_step,
         )
 
 

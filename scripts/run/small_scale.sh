@@ -3,7 +3,9 @@
 # 8 x 1024, bf16), written to OUTDIR:
 #   throughput  AdamW and DMuon each run alone, alternating (A D A D ...), ROUNDS rounds
 #               (default 2) of STEPS steps (default 300) with validation every 100 and logs every 10 steps: median training and
-#               validation (forward only) tok/s per run, by scripts/analysis/titan_log_summary.py
+#               validation (forward only) tok/s per run, by scripts/analysis/titan_log_summary.py;
+#               VARIANTS (default "adamw dmuon") may add dmuon_sync (async_step off: the
+#               captured step on the compute stream) and dmuon_auto (ns_algorithm "auto")
 #   profile     one profiled step (30) of each, for scripts/analysis/trace_summary.py
 #   loss        time-to-loss: SEEDS (default "1 2 3") x {AdamW at lr 5e-4, DMuon at 2e-3}
 #               (each one's best in docs/benchmarks.md's sweep), 1000 steps on the stdlib corpus
@@ -42,10 +44,16 @@ for part in $PARTS; do
     throughput)
       logs=()
       for round in $(seq "$ROUNDS"); do
-        for opt in adamw dmuon; do
-          titan "throughput_${opt}_$round" "$opt" --training.steps "$STEPS" \
-            --metrics.log_freq 10 --validation.freq 100 --training.dataset pystdlib_shuffled_1
-          logs+=("$OUT/throughput_${opt}_$round.log")
+        for variant in ${VARIANTS:-adamw dmuon}; do
+          case $variant in
+            dmuon_sync) opt=dmuon extra=(--dmuon.no_async_step) ;;
+            dmuon_auto) opt=dmuon extra=(--dmuon.ns_algorithm auto) ;;
+            *) opt=$variant extra=() ;;
+          esac
+          titan "throughput_${variant}_$round" "$opt" --training.steps "$STEPS" \
+            --metrics.log_freq 10 --validation.freq 100 --training.dataset pystdlib_shuffled_1 \
+            "${extra[@]}"
+          logs+=("$OUT/throughput_${variant}_$round.log")
         done
       done
       (cd scripts/analysis && python3 titan_log_summary.py --seq-len 1024 --batch 8 --skip 20 \

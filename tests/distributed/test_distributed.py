@@ -17,6 +17,7 @@ from ..helpers.scenarios import (
     plan_mismatch,
     resume_load,
     resume_save,
+    state_dicts_after_evaluation,
     step_is_collective_free,
 )
 from ..helpers.training import RunConfig, batch, initial_state, parity_suite, train_reference, with_
@@ -150,6 +151,13 @@ def test_state_dicts_move_between_world_sizes():
     # The full model state dict is a plain single-device state dict.
     plain = ToyTransformer().double()
     plain.load_state_dict(first["model"], strict=True)
+
+
+def test_optimizer_state_dicts_after_an_evaluation_forward():
+    """A forward without backward leaves FSDP2's unsharded root parameters registered; the
+    optimizer state dicts (full and sharded) taken then equal those taken before it."""
+    for result in run_ranks(state_dicts_after_evaluation, 2, EXACT):
+        assert result == {"full": True, "sharded": True}
 
 
 def test_mixed_precision_matches_fsdp2():

@@ -2,6 +2,8 @@
 
 Skipped cleanly without CUDA; run on one H200 (result in docs/benchmarks.md)."""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -9,8 +11,10 @@ import dmuon_titan as dmuon
 
 from ..helpers import relative_errors
 from ..helpers.harness import run_ranks
+from ..helpers.models import loss_fn
 from ..helpers.training import (
     RunConfig,
+    batch,
     build_dmuon,
     initial_state,
     train_reference,
@@ -58,6 +62,93 @@ def test_captured_step_equals_the_reference_and_the_eager_step():
     reference = train_reference(exact)
     assert max(relative_errors(graph["weights"], reference, init).values()) <= 1e-10
     assert max(relative_errors(graph["weights"], eager["weights"], init).values()) <= 1e-12
+
+
+#: GPU cycles each replay, and each zeroing of gradients, is held back by (≈ 10 ms): a read
+#: or write that does not wait for the step in flight then sees the old matrices, or
+#: gradients that are yet to be zeroed
+DELAY_CYCLES = 20_000_000
+#: the step after which a no-grad forward (an evaluation) reads the matrices at once
+PROBE_STEP = 4
+
+
+def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> list[dict]:
+    """Train with every graph replay and every in-place gradient zeroing held back on its
+    stream. Even steps: forward, backward, step, ``zero_grad``; odd steps: forward,
+    ``zero_grad``, backward, step. Nothing else waits in between: each loss is read by the
+    next forward alone. After step ``PROBE_STEP`` a no-grad forward; after the last step
+    the weights (the state-dict function) and the momenta, at once."""
+    replay, zero = torch.cuda.CUDAGraph.replay, torch._foreach_zero_
+
+    def delayed_replay(graph) -> None:
+        torch.cuda._sleep(DELAY_CYCLES)
+        replay(graph)
+
+    def delayed_zero(tensors) -> None:
+        torch.cuda._sleep(DELAY_CYCLES)
+        zero(tensors)
+
+    out = []
+    with (
+        mock.patch.object(torch.cuda.CUDAGraph, "replay", delayed_replay),
+        mock.patch.object(torch, "_foreach_zero_", delayed_zero),
+    ):
+        for cfg in configs:
+            model, optimizer = build_dmuon(cfg, world_size)
+            probe = batch(cfg, 99).to(cfg.device)
+            losses = []
+            for step in range(cfg.steps):
+                tokens = batch(cfg, step).to(cfg.device)
+                loss = loss_fn(model(tokens), tokens)
+                losses.append(loss.detach().clone())
+                if step % 2:
+                    optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if step == PROBE_STEP:
+                    with torch.no_grad():
+                        logits = model(probe).clone()
+                if not step % 2:
+                    optimizer.zero_grad()
+            weights = dmuon.get_model_state_dict(model)
+            momenta = dmuon.get_optimizer_state_dict(model, optimizer)["state"]
+            graph = optimizer.step_graph
+            out.append(
+                {
+                    "losses": torch.stack(losses).cpu(),
+                    "logits": logits.cpu(),
+                    "weights": {k: v.cpu() for k, v in weights.items()},
+                    "momenta": {
+                        k: v["momentum_buffer"]
+                        for k, v in momenta.items()
+                        if "momentum_buffer" in v
+                    },
+                    "side": graph.stream is not None,
+                    "replays": graph.replays,
+                }
+            )
+    return out
+
+
+def test_the_asynchronous_step_is_waited_for_by_everything_that_reads_it():
+    """``async_step``: the captured step replayed on a side stream, each replay and each
+    zeroing of the held gradients held back by ≈ 10 ms on the GPU. The next forward's
+    losses, a no-grad forward right after a step, the backward after a ``zero_grad`` issued
+    between forward and backward, the weights read by the state-dict function right after
+    the last step, and the momenta are bitwise those of replays on the current stream."""
+    cfg = RunConfig(ns_dtype=torch.bfloat16, device="cuda", steps=8)
+    overlapped, inline = run_ranks(
+        delayed_step_work, 1, [cfg, with_(cfg, async_step=False)], backend="nccl"
+    )[0]
+    assert overlapped["side"] and not inline["side"]
+    assert overlapped["replays"] == inline["replays"] == cfg.steps - 1
+    assert torch.equal(overlapped["losses"], inline["losses"])
+    assert torch.equal(overlapped["logits"], inline["logits"])
+    for key, value in inline["weights"].items():
+        assert torch.equal(overlapped["weights"][key], value), key
+    assert len(inline["momenta"]) == 21
+    for key, value in inline["momenta"].items():
+        assert torch.equal(overlapped["momenta"][key], value), key
 
 
 def test_shared_newton_schulz_in_bfloat16_on_the_gpu():

@@ -298,6 +298,34 @@ def step_is_collective_free(rank: int, world_size: int, cfg: RunConfig) -> dict:
     return {k: torch.equal(v, after[k]) for k, v in before.items()}
 
 
+def state_dicts_after_evaluation(rank: int, world_size: int, cfg: RunConfig) -> dict:
+    """Two training steps, then the optimizer state dicts (full and sharded, as DCP takes
+    them) before and after a forward without backward (an evaluation, after which FSDP2
+    leaves the root's unsharded parameters registered): {form: whether every entry agrees}."""
+    model, optimizer = build_dmuon(cfg, world_size)
+    for step in range(2):
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    forms = {"full": True, "sharded": False}
+
+    def take(full: bool) -> dict:
+        flat = dmuon.get_optimizer_state_dict(model, optimizer, full=full)
+        if full:
+            flat = {(k, n): v for k, e in flat["state"].items() for n, v in e.items()}
+        return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in flat.items()}
+
+    before = {form: take(full) for form, full in forms.items()}
+    with torch.no_grad():
+        model(local_slice(cfg, batch(cfg, 7), rank, world_size))
+    out = {}
+    for form, full in forms.items():
+        after = take(full)
+        out[form] = after.keys() == before[form].keys() and all(
+            torch.equal(v, after[k]) if isinstance(v, torch.Tensor) else v == after[k]
+            for k, v in before[form].items()
+        )
+    return out
+
+
 def participation_suite(rank: int, world_size: int, configs: list[RunConfig]) -> list[dict]:
     """Per config: the trained weights (full, on rank 0) and, per DMuon process group, its
     members and every collective this rank issued on it over all the steps."""

@@ -89,6 +89,7 @@ class RunConfig:
     tp: int = 1  # tensor parallelism: ranks (replicate, shard, tp), the blocks colwise/rowwise
     tp_ns: str = "auto"  # dedicate_params(tp_ns=...): who runs NS under TP
     cuda_graph: bool = True  # Muon(cuda_graph=...): one rank on a GPU captures the step
+    async_step: bool = True  # Muon(async_step=...): the captured step on a side stream
 
 
 #: MoE data: the expert residues (token % 4) each block of rows may use. Whatever the world
@@ -318,6 +319,7 @@ def build_optimizer(cfg: RunConfig, model) -> dmuon.Muon:
         adamw_eps=1e-8,
         adamw_weight_decay=cfg.weight_decay,
         cuda_graph=cfg.cuda_graph,
+        async_step=cfg.async_step,
     )
 
 
