@@ -518,10 +518,13 @@ SPLIT_BACKWARD_SCHEDULES = (
 
 
 def wait_all_replicate_broadcasts(model: nn.Module) -> None:
-    """Wait for the owners' asynchronous update broadcasts to the replicas (HSDP/DDP).
+    """Wait for the owners' asynchronous update broadcasts to the replicas (HSDP/DDP), and
+    for an optimizer step still running on its own stream (``Muon(async_step=True)``, one
+    GPU): the current stream waits for them, the host does not.
 
-    Call it before reading weights outside training (a checkpoint); the state-dict functions
-    and the torchtitan plugin's checkpoint hook do. Without a replicate mesh there are none.
+    Call it before reading weights outside the model's forward (a checkpoint); the
+    state-dict functions and the torchtitan plugin's checkpoint hook do. Without either, a
+    no-op.
     """
     get_state(model).wait_all_replicate_broadcasts()
 

@@ -11,10 +11,13 @@ hits all of them alike. Each round also times ``--block`` forward-only passes pe
 (torchtitan's validation). Medians over the rounds, and ratios to AdamW, in one table.
 
 Variants: ``adamw`` (fused AdamW on everything), ``dmuon`` (DMuon's one-rank direct path:
-Muon on the default matrices, fused AdamW on the rest, the captured step), ``dmuon_eager``
+Muon on the default matrices, fused AdamW on the rest, the captured step on its own stream),
+``dmuon_sync`` (the same, ``async_step=False``: replayed on the compute stream), ``dmuon_eager``
 (the same, ``cuda_graph=False``), ``dmuon_auto`` (``dmuon`` with ``ns_algorithm="auto"``: Gram NS
 and the symmetric kernel where they are faster; same math, other rounding), ``torch_muon`` (``torch.optim.Muon`` on the same matrices +
-fused AdamW). bf16 autocast on CUDA, as torchtitan's single-device training.
+fused AdamW). bf16 autocast on CUDA, as torchtitan's single-device training. ``--h2d`` keeps
+the batches on the host and copies each to the GPU as torchtitan does (a blocking copy: the
+host waits for the compute stream), otherwise they stay on the GPU.
 
     torchrun --standalone --nproc_per_node=1 scripts/bench/bench_small_interleaved.py --flavor 170M
     torchrun --standalone --nproc_per_node=1 scripts/bench/bench_small_interleaved.py \\
@@ -36,7 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon_titan as dmuon
 from dmuon_titan.toy.flavors import add_flavors
 
-VARIANTS = ("adamw", "dmuon", "dmuon_eager", "dmuon_auto", "torch_muon")
+VARIANTS = ("adamw", "dmuon", "dmuon_sync", "dmuon_eager", "dmuon_auto", "torch_muon")
 
 
 def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: float):
@@ -63,6 +66,7 @@ def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: 
             adamw_lr=adamw_lr,
             adamw_fused=device.type == "cuda",
             cuda_graph=variant != "dmuon_eager",
+            async_step=variant != "dmuon_sync",
         )
         return model, [optimizer]
     if variant == "adamw":
@@ -87,6 +91,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--block", type=int, default=10, help="steps per turn")
     parser.add_argument("--warmup-rounds", type=int, default=2)
+    parser.add_argument("--h2d", action="store_true", help="copy each batch from the host")
     args = parser.parse_args()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -98,7 +103,9 @@ def main() -> None:
     vocab = runs[variants[0]][0].vocab_size
     generator = torch.Generator().manual_seed(0)
     batches = [
-        torch.randint(0, vocab, (args.batch, args.seq + 1), generator=generator).to(device)
+        torch.randint(0, vocab, (args.batch, args.seq + 1), generator=generator).to(
+            "cpu" if args.h2d else device
+        )
         for _ in range(args.block)
     ]
     autocast = (
@@ -113,6 +120,7 @@ def main() -> None:
 
     def train_block(model, optimizers) -> None:
         for tokens in batches:
+            tokens = tokens.to(device)  # (--h2d: torchtitan's blocking copy)
             with autocast:
                 logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
@@ -125,6 +133,7 @@ def main() -> None:
     @torch.no_grad()
     def forward_block(model, _optimizers) -> None:
         for tokens in batches:
+            tokens = tokens.to(device)
             with autocast:
                 model(tokens[:, :-1])
 
@@ -143,7 +152,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
         f"llama3 {args.flavor}, 1 x {name}, {tokens} tokens a step, {args.rounds} rounds of "
-        f"{args.block} steps per variant (medians; ratio: AdamW's step time / the variant's)"
+        f"{args.block} steps per variant, batches {'copied from the host' if args.h2d else 'on the GPU'} "
+        "(medians; ratio: AdamW's step time / the variant's)"
     )
     print(
         "| variant | train step (ms) | train tok/s | vs AdamW | forward (ms) | forward tok/s | vs AdamW |"
@@ -161,7 +171,7 @@ def main() -> None:
             ratio = f"{base[kind] / t:.3f}" if base else "-"
             row += [f"{t * 1e3:.1f}", f"{tokens / t:,.0f}", ratio]
         print("| " + " | ".join(row) + " |")
-    for v in ("dmuon", "dmuon_auto"):
+    for v in ("dmuon", "dmuon_sync", "dmuon_auto"):
         if v in runs:
             record = runs[v][1][0].step_graph
             print(

@@ -64,9 +64,10 @@ def test_captured_step_equals_the_reference_and_the_eager_step():
     assert max(relative_errors(graph["weights"], eager["weights"], init).values()) <= 1e-12
 
 
-#: GPU cycles each replay, and each zeroing of gradients, is held back by (≈ 10 ms): a read
-#: or write that does not wait for the step in flight then sees the old matrices, or
-#: gradients that are yet to be zeroed
+#: GPU cycles each gradient zeroing is held back by (≈ 10 ms), and each replay by twice that:
+#: a read or write that does not wait for the step in flight then sees the old matrices or
+#: gradients yet to be zeroed, and a zeroing issued after the step but not queued behind it
+#: runs before the replay reads the gradients
 DELAY_CYCLES = 20_000_000
 #: the step after which a no-grad forward (an evaluation) reads the matrices at once
 PROBE_STEP = 4
@@ -81,7 +82,7 @@ def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> l
     replay, zero = torch.cuda.CUDAGraph.replay, torch._foreach_zero_
 
     def delayed_replay(graph) -> None:
-        torch.cuda._sleep(DELAY_CYCLES)
+        torch.cuda._sleep(2 * DELAY_CYCLES)
         replay(graph)
 
     def delayed_zero(tensors) -> None:
@@ -131,8 +132,8 @@ def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> l
 
 
 def test_the_asynchronous_step_is_waited_for_by_everything_that_reads_it():
-    """``async_step``: the captured step replayed on a side stream, each replay and each
-    zeroing of the held gradients held back by ≈ 10 ms on the GPU. The next forward's
+    """``async_step``: the captured step replayed on a side stream, each replay (≈ 20 ms) and
+    each zeroing of the held gradients (≈ 10 ms) held back on the GPU. The next forward's
     losses, a no-grad forward right after a step, the backward after a ``zero_grad`` issued
     between forward and backward, the weights read by the state-dict function right after
     the last step, and the momenta are bitwise those of replays on the current stream."""
