@@ -76,12 +76,14 @@ class Muon(torch.optim.Optimizer):
             report no separate ``ns`` phase. ``False``: always eager.
         async_step: with the captured step, replay it on a side stream and return at once
             (:mod:`dmuon_titan.step_graph`): the host goes on to the next step while the GPU
-            runs Newton–Schulz (torchtitan's blocking batch copy waits for the compute stream
-            alone). The next forward and backward, ``zero_grad``, this optimizer's state
-            dict, DMuon's state-dict functions and ``wait_all_replicate_broadcasts`` wait for
-            it on the GPU; other code that reads the matrices between ``step()`` and the next
-            forward must call ``wait_all_replicate_broadcasts`` first. Same results.
-            ``False``: replayed on the current stream.
+            runs Newton–Schulz (a blocking batch copy, as torchtitan's, waits for the compute
+            stream alone). The model's next forward, the accumulation of the next gradients,
+            ``zero_grad``, ``state_dict()`` (the model's and this optimizer's), DMuon's
+            state-dict functions and ``wait_all_replicate_broadcasts`` wait for it on the GPU.
+            Anything else that reads the matrices between ``step()`` and the next forward
+            (an EMA of the weights, a norm logged) must call
+            ``wait_all_replicate_broadcasts(model)`` first, hence off by default (the
+            torchtitan plugin, whose loop is known, turns it on). Same results.
     """
 
     def __init__(
@@ -108,7 +110,7 @@ class Muon(torch.optim.Optimizer):
         ns_batch_numel: int = DEFAULT_NS_BATCH_NUMEL,
         ns_algorithm: str | None = None,
         cuda_graph: bool = True,
-        async_step: bool = True,
+        async_step: bool = False,
     ) -> None:
         options = MuonOptions(
             lr=lr,
@@ -166,7 +168,7 @@ class Muon(torch.optim.Optimizer):
         #: the captured step of the matrices (one rank on a GPU; see ``cuda_graph``)
         self.step_graph = MuonStepGraph(async_step=options.async_step)
         if self._dmuon is not None:  # (its forward, backward and state dicts wait for it)
-            self._dmuon.step_graphs.append(self.step_graph)
+            self._dmuon.step_graphs.add(self.step_graph)
         self.register_step_pre_hook(Muon._before_step)
         self.register_step_post_hook(Muon._after_step)
 

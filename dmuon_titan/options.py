@@ -115,7 +115,7 @@ class MuonOptions:
     ns_batch_numel: int = DEFAULT_NS_BATCH_NUMEL
     ns_algorithm: str | None = None
     cuda_graph: bool = True
-    async_step: bool = True
+    async_step: bool = False
 
     def __post_init__(self) -> None:
         check = _Checks("Muon", self)

@@ -24,20 +24,26 @@ then runs as two foreach passes (multiply, add) rather than one fused multiply-a
 may round the last bit differently from the eager path.
 
 With ``async_step`` a replay runs on a side stream and ``step()`` returns before it is done.
-What matters is not the GPU but the host: torchtitan copies each batch to the GPU with a
-blocking copy, which waits for everything queued on the compute stream, so a step queued there
-holds the host until Newton–Schulz is over and only then lets it queue the next forward. On
-its own stream the step overlaps the host's work on the next step. Everything that reads or
-writes what the replay touches waits for its event on the GPU (``wait``), never on the host:
-the next forward (every boundary, and the root), the next backward's start (it accumulates
-into the held gradients), ``zero_grad`` (which zeroes those gradients on the side stream,
-after the replay), the state-dict functions and ``wait_all_replicate_broadcasts``. Same
-kernels, same inputs: the results are the current-stream replay's, bit for bit.
+What that buys is host time: torchtitan copies each batch to the GPU with a blocking copy,
+which waits for everything queued on the compute stream, so a step queued there holds the
+host until Newton–Schulz is over and only then lets it queue the next forward. On its own
+stream the step overlaps the host's work on the next step. What reads or writes what the
+replay touches makes its stream wait for the replay's event on the GPU (``wait``): the
+model's next forward (every boundary, and the root), ``state_dict()``/``load_state_dict()``
+of the model and of the optimizer, DMuon's state-dict functions and
+``wait_all_replicate_broadcasts`` (torchtitan's checkpoint save also waits on the host, for
+DCP may stage on a stream of its own). ``zero_grad`` zeroes the held gradients on the side
+stream, after the replay that reads them, and a hook on each held matrix makes the first
+gradient accumulated after that wait for it (a ``zero_grad`` between forward and backward).
+The allocator is told that the side stream uses the tensors the graph touches
+(``record_stream``), so memory freed meanwhile is not handed out under it. Same kernels, same
+inputs: the results are the current-stream replay's, bit for bit.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -87,6 +93,9 @@ class MuonStepGraph:
         #: gradient zeroing queued after it); None until the first asynchronous replay
         self.stream: torch.cuda.Stream | None = None
         self.done: torch.cuda.Event | None = None
+        #: a ``zero_grad`` queued a zeroing of the held gradients on :attr:`stream` that the
+        #: next accumulation into them has not waited for yet
+        self.zero_pending = False
         self.graph: torch.cuda.CUDAGraph | None = None
         self.key: tuple | None = None
         self.scalars: StepScalars | None = None
@@ -151,67 +160,97 @@ class MuonStepGraph:
             self._drain()  # (the graph replaced may still run)
             self.graph, self.key = self._capture(body), key
             self._watch(params)
+            if self.asynchronous:
+                self._share_with_side_stream(params, buffers)
             self.captures += 1
         self._replay()
         self.replays += 1
         return True
 
+    @property
+    def asynchronous(self) -> bool:
+        """Whether replays run on :attr:`stream` (``async_step``, on a GPU)."""
+        return self.async_step and self.scalars is not None and self.scalars.device.type == "cuda"
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=self.scalars.device)
+            self.done = torch.cuda.Event()
+        return self.stream
+
     def _replay(self) -> None:
-        if not (self.async_step and self.scalars.device.type == "cuda"):
+        if not self.asynchronous:
             self.graph.replay()
             return
-        current = torch.cuda.current_stream()
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(device=current.device)
-            self.done = torch.cuda.Event()
-        self.stream.wait_stream(current)  # gradients, clipping, the refreshed scalars
-        with torch.cuda.stream(self.stream):
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream(stream.device))  # gradients, scalars
+        with torch.cuda.stream(stream):
             self.graph.replay()
-        self.done.record(self.stream)
+        self.done.record(stream)
 
     def _drain(self) -> None:
         """Wait on the host for the side stream: before a graph it runs is destroyed."""
         if self.stream is not None:
             self.stream.synchronize()
 
-    @property
-    def in_flight(self) -> bool:
-        """Whether replays run on a side stream (their last event is :attr:`done`)."""
-        return self.done is not None
-
     def wait(self) -> None:
         """Make the current stream wait (on the GPU) for the last replay and what was queued
-        after it on the side stream; nothing without asynchronous replays."""
-        if self.done is not None:
-            torch.cuda.current_stream().wait_event(self.done)
+        after it on the side stream; nothing without asynchronous replays, or while the
+        current stream is being captured (a wait on an outside event would void it)."""
+        if self.done is not None and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.stream.device).wait_event(self.done)
 
     def zero_held(self, grads: list[torch.Tensor]) -> None:
         """Zero ``grads`` (the held gradients) in place: on the side stream after the last
         replay, which reads them, when replays are asynchronous (:attr:`done` then covers the
-        zeroing too); else on the current stream."""
+        zeroing too, and the next gradient accumulated into them waits for it); else on the
+        current stream."""
         if self.done is None:
             torch._foreach_zero_(grads)
             return
-        self.stream.wait_stream(torch.cuda.current_stream())  # (their last reads there)
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # their reads
         with torch.cuda.stream(self.stream):
             torch._foreach_zero_(grads)
         self.done.record(self.stream)
+        self.zero_pending = True
+
+    def _share_with_side_stream(self, params: list[torch.Tensor], buffers) -> None:
+        """Tell the caching allocator that the side stream uses what the graph reads and
+        writes: memory freed on the compute stream (``del model``, ``p.grad = None``) is then
+        not handed out again before the side stream's work queued at that time is done."""
+        stream = self._side_stream()
+        tensors = [p.data for p in params] + [p.grad for p in params] + list(buffers)
+        tensors += [self.scalars.decay, *self.scalars.neg_steps.values()]
+        for tensor in tensors:
+            tensor.record_stream(stream)
 
     def _watch(self, params: list[torch.Tensor]) -> None:
-        """Hold ``params``'s gradients (see the module doc) and watch which get one."""
+        """Hold ``params``'s gradients (see the module doc) and watch which get one; with
+        asynchronous replays, a gradient about to be accumulated into a held one that a
+        ``zero_grad`` still zeroes on the side stream first waits for it. (The hooks hold
+        this object weakly: an optimizer dropped takes its graph along.)"""
         for handle in self._hooks:
             handle.remove()
         self.params, self.arrived = list(params), [True] * len(params)
+        owner = weakref.ref(self)
 
         def arrived(index: int):
             def hook(_param) -> None:
-                self.arrived[index] = True
+                graph = owner()
+                if graph is not None:
+                    graph.arrived[index] = True
 
             return hook
 
+        def before_accumulation(_grad) -> None:
+            graph = owner()
+            if graph is not None and graph.zero_pending:
+                graph.zero_pending = False  # (one wait orders this backward's stream)
+                graph.wait()
+
         self._hooks = [
             p.register_post_accumulate_grad_hook(arrived(i)) for i, p in enumerate(params)
-        ]
+        ] + [p.register_hook(before_accumulation) for p in params]
 
     def expect_gradients(self, fresh: bool) -> None:
         """``zero_grad`` zeroed the held gradients: with ``fresh`` (``set_to_none=True``)

@@ -7,7 +7,8 @@
   boundaries that did not run there are issued at once);
 - tensor hooks on forward outputs begin a boundary's backward (Z3 re-broadcast) and make the
   end-of-backward callback be queued even where no boundary ran;
-- post-accumulate-grad hooks on the full-size parameters mark gradients final.
+- post-accumulate-grad hooks on the full-size parameters mark gradients final;
+- the root's state-dict pre-hooks wait for an optimizer step still in flight.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def register_root_hooks(state: DMuonState, root: nn.Module) -> list[RemovableHan
     return [
         root.register_forward_pre_hook(pre_forward, prepend=True),
         root.register_forward_hook(post_forward),
+        *register_state_dict_waits(state, root),
     ]
 
 
@@ -96,6 +98,23 @@ def register_grad_hooks(state: DMuonState, group: BoundaryGroup) -> None:
                 state.grad_accumulated(group, p)
 
             p.unsharded.register_post_accumulate_grad_hook(hook)
+
+
+def register_state_dict_waits(state: DMuonState, root: nn.Module) -> list[RemovableHandle]:
+    """``root.state_dict()`` and ``root.load_state_dict()`` first make the current stream
+    wait for an optimizer step still in flight on its own stream (``Muon(async_step=True)``):
+    the tensors they return or fill are read or written after the hook."""
+
+    def before_state_dict(_module, _prefix, _keep_vars) -> None:
+        state.wait_for_step()
+
+    def before_load(_module, *_args) -> None:
+        state.wait_for_step()
+
+    return [
+        root.register_state_dict_pre_hook(before_state_dict),
+        root.register_load_state_dict_pre_hook(before_load),
+    ]
 
 
 def register_pre_backward(output, callback: Callable[[], None]):

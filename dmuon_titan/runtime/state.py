@@ -100,8 +100,9 @@ class DMuonState:
         self.direct = False  # decided at lazy init
         self._replicas_synced = False
         #: the optimizers' captured steps (``dmuon_titan.step_graph``): with ``async_step``
-        #: they run on a side stream, and what reads the matrices waits for them
-        self.step_graphs: list = []
+        #: they run on a side stream, and what reads the matrices waits for them (weak: an
+        #: optimizer dropped for a new one takes its graph along)
+        self.step_graphs: weakref.WeakSet = weakref.WeakSet()
         #: how many times the gradient-presence flags were read back (a host sync each);
         #: stays 0 while every owner has its own gradient for every matrix it owns
         self.presence_syncs = 0
@@ -166,10 +167,6 @@ class DMuonState:
         self._pass = ForwardCursor(training=torch.is_grad_enabled())
 
     def root_post_forward(self, output):
-        if self.direct and torch.is_grad_enabled() and not in_backward():
-            # backward accumulates into the gradients a step in flight may still zero (a
-            # zero_grad between this forward and the backward)
-            return hooks.register_pre_backward(output, self.wait_for_step)
         if in_backward() or self._pass is None or self.direct:
             return output
         training = self._pass.training

@@ -81,6 +81,9 @@ def _draining(dcp_save):
         for part in getattr(model, "model", []):
             if _has_dmuon(part):
                 wait_all_replicate_broadcasts(part)
+                if getattr(part, STATE_ATTR).device.type == "cuda":
+                    # DCP may stage on a stream of its own: have it all done (saves are rare)
+                    torch.cuda.current_stream().synchronize()
         return dcp_save(self, *args, **kwargs)
 
     wrapper._dmuon_draining = True

@@ -149,8 +149,9 @@ class DMuon:
     async_step: bool = True
     """With ``cuda_graph``: replay the captured step on a side stream, so the host prepares the
     next step (the trainer's batch copy waits for the compute stream alone) while the GPU runs
-    Newton-Schulz; the next forward and backward, checkpoints and state dicts wait for it on
-    the GPU. Same results. false: replayed on the compute stream."""
+    Newton-Schulz; the next forward and backward, validation and state dicts wait for it on the
+    GPU, checkpoint saves on the host. Same results. The logged ``optimizer`` time then ends
+    when the side stream's step does. false: replayed on the compute stream."""
 
     def __post_init__(self) -> None:
         validate(self)

@@ -69,16 +69,17 @@ def test_captured_step_equals_the_reference_and_the_eager_step():
 #: gradients yet to be zeroed, and a zeroing issued after the step but not queued behind it
 #: runs before the replay reads the gradients
 DELAY_CYCLES = 20_000_000
-#: the step after which a no-grad forward (an evaluation) reads the matrices at once
-PROBE_STEP = 4
+#: after these steps, at once (each after a step that nothing else waited for): a no-grad
+#: forward (an evaluation), the model's own ``state_dict()``, the optimizer state dict (the
+#: state-dict function); after the last step, the weights (the state-dict function)
+LOGITS_STEP, STATE_DICT_STEP, MOMENTA_STEP = 4, 5, 6
 
 
 def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> list[dict]:
     """Train with every graph replay and every in-place gradient zeroing held back on its
     stream. Even steps: forward, backward, step, ``zero_grad``; odd steps: forward,
     ``zero_grad``, backward, step. Nothing else waits in between: each loss is read by the
-    next forward alone. After step ``PROBE_STEP`` a no-grad forward; after the last step
-    the weights (the state-dict function) and the momenta, at once."""
+    next forward alone. Right after some steps one reader each (``*_STEP``)."""
     replay, zero = torch.cuda.CUDAGraph.replay, torch._foreach_zero_
 
     def delayed_replay(graph) -> None:
@@ -97,7 +98,7 @@ def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> l
         for cfg in configs:
             model, optimizer = build_dmuon(cfg, world_size)
             probe = batch(cfg, 99).to(cfg.device)
-            losses = []
+            losses, record = [], {}
             for step in range(cfg.steps):
                 tokens = batch(cfg, step).to(cfg.device)
                 loss = loss_fn(model(tokens), tokens)
@@ -106,24 +107,30 @@ def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> l
                     optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-                if step == PROBE_STEP:
+                if step == LOGITS_STEP:
                     with torch.no_grad():
-                        logits = model(probe).clone()
+                        record["logits"] = model(probe).clone()
+                elif step == STATE_DICT_STEP:
+                    record["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
+                elif step == MOMENTA_STEP:
+                    momenta = dmuon.get_optimizer_state_dict(model, optimizer)["state"]
+                    record["momenta"] = {
+                        k: v["momentum_buffer"]
+                        for k, v in momenta.items()
+                        if "momentum_buffer" in v
+                    }
                 if not step % 2:
                     optimizer.zero_grad()
-            weights = dmuon.get_model_state_dict(model)
-            momenta = dmuon.get_optimizer_state_dict(model, optimizer)["state"]
+            record["weights"] = dmuon.get_model_state_dict(model)
+            record = {  # (to the host only now: a copy back waits for the whole GPU)
+                k: v.cpu() if isinstance(v, torch.Tensor) else {n: t.cpu() for n, t in v.items()}
+                for k, v in record.items()
+            }
             graph = optimizer.step_graph
             out.append(
                 {
                     "losses": torch.stack(losses).cpu(),
-                    "logits": logits.cpu(),
-                    "weights": {k: v.cpu() for k, v in weights.items()},
-                    "momenta": {
-                        k: v["momentum_buffer"]
-                        for k, v in momenta.items()
-                        if "momentum_buffer" in v
-                    },
+                    **record,
                     "side": graph.stream is not None,
                     "replays": graph.replays,
                 }
@@ -135,8 +142,10 @@ def test_the_asynchronous_step_is_waited_for_by_everything_that_reads_it():
     """``async_step``: the captured step replayed on a side stream, each replay (≈ 20 ms) and
     each zeroing of the held gradients (≈ 10 ms) held back on the GPU. The next forward's
     losses, a no-grad forward right after a step, the backward after a ``zero_grad`` issued
-    between forward and backward, the weights read by the state-dict function right after
-    the last step, and the momenta are bitwise those of replays on the current stream."""
+    between forward and backward, ``model.state_dict()``, the optimizer state dict and the
+    weights read by the state-dict functions right after a step are bitwise those of replays
+    on the current stream. (``scripts/run/check_async_step_waits.sh`` re-runs it with each
+    wait taken out: each must fail.)"""
     cfg = RunConfig(ns_dtype=torch.bfloat16, device="cuda", steps=8)
     overlapped, inline = run_ranks(
         delayed_step_work, 1, [cfg, with_(cfg, async_step=False)], backend="nccl"
@@ -145,11 +154,11 @@ def test_the_asynchronous_step_is_waited_for_by_everything_that_reads_it():
     assert overlapped["replays"] == inline["replays"] == cfg.steps - 1
     assert torch.equal(overlapped["losses"], inline["losses"])
     assert torch.equal(overlapped["logits"], inline["logits"])
-    for key, value in inline["weights"].items():
-        assert torch.equal(overlapped["weights"][key], value), key
     assert len(inline["momenta"]) == 21
-    for key, value in inline["momenta"].items():
-        assert torch.equal(overlapped["momenta"][key], value), key
+    for kind in ("state_dict", "momenta", "weights"):
+        assert overlapped[kind].keys() == inline[kind].keys()
+        for key, value in inline[kind].items():
+            assert torch.equal(overlapped[kind][key], value), (kind, key)
 
 
 def test_shared_newton_schulz_in_bfloat16_on_the_gpu():

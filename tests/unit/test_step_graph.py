@@ -114,3 +114,52 @@ def test_a_held_matrix_without_a_gradient_is_skipped_as_torch_optim_skips_it(cpu
     frozen_at_3, _ = _train(cpu_mesh, graph=True, steps=3, keep_grads=False)
     key = "layers.0.attention.wq.weight"
     assert torch.equal(graphed[key], frozen_at_3[key])
+
+
+class _CountingWait:
+    """Stands in for a captured step in flight: counts the waits asked of it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self) -> None:
+        self.waits += 1
+
+
+def test_an_accumulation_after_a_queued_zeroing_waits_for_it_once():
+    """``async_step``: after ``zero_held`` (a zeroing queued on the side stream) the first
+    gradient accumulated into a held matrix makes its stream wait for that zeroing, once per
+    zeroing; without one pending, nothing waits."""
+    params = [torch.nn.Parameter(torch.randn(3, 4)) for _ in range(2)]
+    graph = step_graph.MuonStepGraph(async_step=True)
+    graph._watch(params)
+    counter = _CountingWait()
+    graph.wait = counter.wait
+    sum(p.sum() for p in params).backward()
+    assert counter.waits == 0
+    graph.zero_pending = True
+    sum((p * p).sum() for p in params).backward()
+    assert counter.waits == 1 and not graph.zero_pending
+    sum(p.sum() for p in params).backward()
+    assert counter.waits == 1
+
+
+def test_the_model_state_dict_waits_and_a_dropped_optimizer_lets_go_of_its_step(cpu_mesh):
+    """``model.state_dict()`` and ``load_state_dict()`` wait for every step in flight; the
+    model's record of the optimizers' steps is weak, and so are the hooks a capture puts on
+    the matrices, so an optimizer dropped (rebuilt, say) is freed with its graph."""
+    import gc
+
+    model = ToyTransformer().double()
+    dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
+    state = model._dmuon_state
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64)
+    optimizer.step_graph._watch([p.owned for p in state.params])  # (as a capture does)
+    assert len(state.step_graphs) == 1
+    in_flight = _CountingWait()
+    state.step_graphs.add(in_flight)
+    model.load_state_dict(model.state_dict())
+    assert in_flight.waits == 2
+    del optimizer
+    gc.collect()
+    assert list(state.step_graphs) == [in_flight]

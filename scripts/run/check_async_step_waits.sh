@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# On one GPU: the async-step test (tests/distributed/test_gpu_one.py) as it is, then once per
+# wait that Muon(async_step=True) relies on, with that wait taken out of a scratch copy of the
+# package. The first run must pass and every other must fail; prints one line per run. Run
+# from a checkout whose files it may change (they are restored at the end).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+T=tests/distributed/test_gpu_one.py::test_the_asynchronous_step_is_waited_for_by_everything_that_reads_it
+run() { echo "$1: $(python3 -m pytest -q "$T" -p no:cacheprovider 2>&1 | tail -1)"; }
+files=(dmuon_titan/runtime/state.py dmuon_titan/runtime/hooks.py dmuon_titan/muon.py
+       dmuon_titan/step_graph.py dmuon_titan/state_dict.py)
+for f in "${files[@]}"; do cp "$f" "$f.orig"; done
+restore() { for f in "${files[@]}"; do cp "$f.orig" "$f"; done; }
+cut() {  # cut FILE OLD NEW: replace every OLD by NEW (OLD must be there)
+  python3 -c "import sys; p,a,b=sys.argv[1:]; s=open(p).read(); assert a in s, a; open(p,'w').write(s.replace(a,b))" "$@"
+}
+run "as it is (must pass)"
+cut dmuon_titan/runtime/state.py "        if self.direct:
+            self.wait_for_step()
+            return" "        if self.direct:
+            return"
+run "forwards do not wait (must fail)"; restore
+cut dmuon_titan/step_graph.py "] + [p.register_hook(before_accumulation) for p in params]" "]"
+run "accumulation does not wait for a queued zeroing (must fail)"; restore
+cut dmuon_titan/muon.py "            graph.zero_held(held)" "            torch._foreach_zero_(held)"
+run "zero_grad zeroes on the compute stream (must fail)"; restore
+cut dmuon_titan/runtime/hooks.py "        *register_state_dict_waits(state, root)," ""
+run "model.state_dict() does not wait (must fail)"; restore
+cut dmuon_titan/state_dict.py "    optimizer.step_graph.wait()  # (a step in flight still writes its state)" ""
+run "optimizer state-dict function does not wait (must fail)"; restore
+cut dmuon_titan/runtime/state.py "    def wait_all_replicate_broadcasts(self) -> None:
+        self.wait_for_step()" "    def wait_all_replicate_broadcasts(self) -> None:"
+run "model state-dict function does not wait (must fail)"; restore
+for f in "${files[@]}"; do rm "$f.orig"; done
