@@ -248,9 +248,10 @@ class MuonStepGraph:
                 graph.zero_pending = False  # (one wait orders this backward's stream)
                 graph.wait()
 
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(arrived(i)) for i, p in enumerate(params)
-        ] + [p.register_hook(before_accumulation) for p in params]
+        trained = [(i, p) for i, p in enumerate(params) if p.requires_grad]  # (else: no hook)
+        self._hooks = [p.register_post_accumulate_grad_hook(arrived(i)) for i, p in trained] + [
+            p.register_hook(before_accumulation) for _, p in trained
+        ]
 
     def expect_gradients(self, fresh: bool) -> None:
         """``zero_grad`` zeroed the held gradients: with ``fresh`` (``set_to_none=True``)

@@ -20,7 +20,7 @@ cut dmuon_titan/runtime/state.py "        if self.direct:
             return" "        if self.direct:
             return"
 run "forwards do not wait (must fail)"; restore
-cut dmuon_titan/step_graph.py "] + [p.register_hook(before_accumulation) for p in params]" "]"
+cut dmuon_titan/step_graph.py "p.register_hook(before_accumulation) for _, p in trained" ""
 run "accumulation does not wait for a queued zeroing (must fail)"; restore
 cut dmuon_titan/muon.py "            graph.zero_held(held)" "            torch._foreach_zero_(held)"
 run "zero_grad zeroes on the compute stream (must fail)"; restore
