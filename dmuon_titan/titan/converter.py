@@ -105,11 +105,11 @@ def _check_tensor_parallel(job_config) -> None:
             "float8 tensor-parallel styles are not supported with DMuon yet; use "
             "tensor_parallel_degree = 1 or drop the converter"
         )
-    if p.pipeline_parallel_degree > 1 or p.expert_parallel_degree > 1:
+    if p.expert_parallel_degree > 1:
         raise ConfigError(
-            f"parallelism.tensor_parallel_degree = {degree} together with pipeline or "
-            "expert parallelism: not supported with DMuon yet (each composes with data "
-            "parallelism); use one of them"
+            f"parallelism.tensor_parallel_degree = {degree} together with expert "
+            "parallelism: not supported with DMuon yet (each composes with data and "
+            "pipeline parallelism); use one of them"
         )
 
 

@@ -44,6 +44,16 @@ def _dims(**kw):
             "parallelism.tensor_parallel_degree = 2 with the 'quantize.linear.float8'",
         ),
         (
+            [
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.expert_parallel_degree",
+                "2",
+            ],
+            {"tp": 2, "ep": 2},
+            "parallelism.tensor_parallel_degree = 2 together with expert parallelism",
+        ),
+        (
             ["--parallelism.expert_tensor_parallel_degree", "2"],
             {},
             "parallelism.expert_tensor_parallel_degree = 2",
@@ -99,6 +109,7 @@ def _dims(**kw):
     ids=[
         "async-tp",
         "tp-float8",
+        "tp-ep",
         "etp",
         "ep-backend",
         "interleaved-zb",
