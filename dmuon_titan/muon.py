@@ -265,7 +265,8 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def _before_step(optimizer: Muon, _args, _kwargs) -> None:
-        """A step pre-hook: current parameters, and the owners' gradients arrived."""
+        """A step pre-hook: current parameters, and the owners' gradients arrived; a step
+        still in flight done first (it reads the scalars and buffers this one writes)."""
         optimizer.step_graph.wait()
         optimizer.follow_model()
         if optimizer._dmuon is not None:

@@ -138,7 +138,6 @@ class MuonStepGraph:
                 self.scalars = StepScalars(params[0].device, params[0].dtype)
             for p in params:
                 self.scalars.neg_step(p.shape)
-        self.wait()  # (the last replay still reads the scalars refreshed next)
         self.scalars.refresh(group)
         if not self.warmed:
             body(self.scalars)

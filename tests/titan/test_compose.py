@@ -131,6 +131,14 @@ def test_pipeline_parallel_resumes_and_loads_at_other_degrees(tokenizer_dir, tmp
     one rank with identical weights and momentum (torchtitan's data loader state cannot
     change its data-parallel degree: left out, as in the DP tests)."""
     seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
+    layouts = {"pp2xdp1": (2, PP2), "pp1xdp2": (2, []), "pp1": (1, [])}
+    _resumes_at_3_and_loads(tokenizer_dir, tmp_path, seed, [*PP2, *INTERLEAVED], layouts)
+
+
+def _resumes_at_3_and_loads(tokenizer_dir, tmp_path, seed: str, layout: list, layouts) -> None:
+    """On 4 ranks with the overrides ``layout``, from ``seed``, clipping active: stopped at 3
+    and resumed, steps 4-6 are bit-identical to the uninterrupted run, and its step-3
+    checkpoint holds exactly the saved weights and momentum loaded at each of ``layouts``."""
     common = [
         "--validation.no-enable",
         *checkpointed_args(total_steps=6, interval=3, validation_freq=100),
@@ -139,16 +147,13 @@ def test_pipeline_parallel_resumes_and_loads_at_other_degrees(tokenizer_dir, tmp
         "--training.max_norm",
         "0.1",
     ]
-    mine = [*PP2, *INTERLEAVED]
     a, b = tmp_path / "a", tmp_path / "b"
-    run_ok(4, *toy_args(tokenizer_dir, a, *common, *mine, "--training.steps", "6"))
-    run_ok(4, *toy_args(tokenizer_dir, b, *common, *mine, "--training.steps", "3"))
-    out = run_ok(4, *toy_args(tokenizer_dir, b, *common, *mine, "--training.steps", "6"))
+    run_ok(4, *toy_args(tokenizer_dir, a, *common, *layout, "--training.steps", "6"))
+    run_ok(4, *toy_args(tokenizer_dir, b, *common, *layout, "--training.steps", "3"))
+    out = run_ok(4, *toy_args(tokenizer_dir, b, *common, *layout, "--training.steps", "6"))
     assert "Training starts at step 4" in out
     la, lb = tb_losses(a), tb_losses(b)
     assert [la[s] for s in range(4, 7)] == [lb[s] for s in range(4, 7)]
-    # Its step-3 checkpoint at other degrees: identical weights and momentum.
-    layouts = {"pp2xdp1": (2, PP2), "pp1xdp2": (2, []), "pp1": (1, [])}
     _check_loads_identically(tokenizer_dir, tmp_path, a, 3, common, layouts)
 
 
@@ -319,24 +324,9 @@ def test_tensor_parallel_with_pipeline_parallel_resumes_loads_and_adds_data_para
     with identical weights and momentum. tp 2 x pp 2 x dp 2 (8 ranks) equals tp 2 x dp 2
     (4 ranks) within 1e-5 per step over 4 steps."""
     seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
-    common = [
-        "--validation.no-enable",
-        *checkpointed_args(total_steps=6, interval=3, validation_freq=100),
-        "--checkpoint.initial_load_path",
-        seed,
-        "--training.max_norm",
-        "0.1",
-    ]
     mine = [*TP2, *PP2]
-    a, b = tmp_path / "a", tmp_path / "b"
-    run_ok(4, *toy_args(tokenizer_dir, a, *common, *mine, "--training.steps", "6"))
-    run_ok(4, *toy_args(tokenizer_dir, b, *common, *mine, "--training.steps", "3"))
-    out = run_ok(4, *toy_args(tokenizer_dir, b, *common, *mine, "--training.steps", "6"))
-    assert "Training starts at step 4" in out
-    la, lb = tb_losses(a), tb_losses(b)
-    assert [la[s] for s in range(4, 7)] == [lb[s] for s in range(4, 7)]
     layouts = {"tp2xpp1": (2, TP2), "tp1xpp2": (2, PP2), "one": (1, [])}
-    _check_loads_identically(tokenizer_dir, tmp_path, a, 3, common, layouts)
+    _resumes_at_3_and_loads(tokenizer_dir, tmp_path, seed, mine, layouts)
 
     plain = ["--validation.no-enable", *from_seed(seed, 4), "--training.max_norm", "0.1"]
     losses = []
