@@ -30,5 +30,5 @@ cut dmuon_titan/state_dict.py "    optimizer.step_graph.wait()  # (a step in fli
 run "optimizer state-dict function does not wait (must fail)"; restore
 cut dmuon_titan/runtime/state.py "    def wait_all_replicate_broadcasts(self) -> None:
         self.wait_for_step()" "    def wait_all_replicate_broadcasts(self) -> None:"
-run "model state-dict function does not wait (must fail)"; restore
+run "wait_all_replicate_broadcasts does not wait (must fail)"; restore
 for f in "${files[@]}"; do rm "$f.orig"; done

@@ -6,6 +6,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import dmuon_titan as dmuon
 
@@ -64,15 +65,25 @@ def test_captured_step_equals_the_reference_and_the_eager_step():
     assert max(relative_errors(graph["weights"], eager["weights"], init).values()) <= 1e-12
 
 
-#: GPU cycles each gradient zeroing is held back by (≈ 10 ms), and each replay by twice that:
+#: GPU cycles each gradient zeroing is held back by (≈ 100 ms), and each replay by twice that:
 #: a read or write that does not wait for the step in flight then sees the old matrices or
 #: gradients yet to be zeroed, and a zeroing issued after the step but not queued behind it
-#: runs before the replay reads the gradients
-DELAY_CYCLES = 20_000_000
-#: after these steps, at once (each after a step that nothing else waited for): a no-grad
-#: forward (an evaluation), the model's own ``state_dict()``, the optimizer state dict (the
-#: state-dict function); after the last step, the weights (the state-dict function)
-LOGITS_STEP, STATE_DICT_STEP, MOMENTA_STEP = 4, 5, 6
+#: runs before the replay reads the gradients. (At a tenth of this, the host's own time from
+#: the replay's launch to the zeroing's, the AdamW part over FSDP2 DTensors included, was
+#: already past the difference on an H200, and a zeroing on the compute stream went unseen.)
+DELAY_CYCLES = 200_000_000
+#: after these steps, at once (each after a step that nothing else waited for): the
+#: parameters read directly after ``wait_all_replicate_broadcasts`` (a loop of one's own, an
+#: EMA say), a no-grad forward (an evaluation), the model's own ``state_dict()``, the
+#: optimizer state dict (the state-dict function); after the last step, the weights (the
+#: state-dict function)
+MIRROR_STEP, LOGITS_STEP, STATE_DICT_STEP, MOMENTA_STEP = 3, 4, 5, 6
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 DTensor's local tensor (on one rank: the whole), a tensor as it is; read
+    where the test takes it, and comparable after the process group is gone."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> list[dict]:
@@ -107,15 +118,22 @@ def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> l
                     optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-                if step == LOGITS_STEP:
+                if step == MIRROR_STEP:
+                    dmuon.wait_all_replicate_broadcasts(model)
+                    record["mirror"] = {
+                        name: local(p).detach().clone() for name, p in model.named_parameters()
+                    }
+                elif step == LOGITS_STEP:
                     with torch.no_grad():
                         record["logits"] = model(probe).clone()
                 elif step == STATE_DICT_STEP:
-                    record["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
+                    record["state_dict"] = {
+                        k: local(v).clone() for k, v in model.state_dict().items()
+                    }
                 elif step == MOMENTA_STEP:
                     momenta = dmuon.get_optimizer_state_dict(model, optimizer)["state"]
                     record["momenta"] = {
-                        k: v["momentum_buffer"]
+                        k: local(v["momentum_buffer"]).clone()
                         for k, v in momenta.items()
                         if "momentum_buffer" in v
                     }
@@ -139,12 +157,13 @@ def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> l
 
 
 def test_the_asynchronous_step_is_waited_for_by_everything_that_reads_it():
-    """``async_step``: the captured step replayed on a side stream, each replay (≈ 20 ms) and
-    each zeroing of the held gradients (≈ 10 ms) held back on the GPU. The next forward's
-    losses, a no-grad forward right after a step, the backward after a ``zero_grad`` issued
-    between forward and backward, ``model.state_dict()``, the optimizer state dict and the
-    weights read by the state-dict functions right after a step are bitwise those of replays
-    on the current stream. (``scripts/run/check_async_step_waits.sh`` re-runs it with each
+    """``async_step``: the captured step replayed on a side stream, each replay (≈ 200 ms) and
+    each zeroing of the held gradients (≈ 100 ms) held back on the GPU. The next forward's
+    losses, the parameters read after ``wait_all_replicate_broadcasts``, a no-grad forward
+    right after a step, the backward after a ``zero_grad`` issued between forward and
+    backward, ``model.state_dict()``, the optimizer state dict and the weights read by the
+    state-dict functions right after a step are bitwise those of replays on the current
+    stream. (``scripts/run/check_async_step_waits.sh`` re-runs it with each
     wait taken out: each must fail.)"""
     cfg = RunConfig(ns_dtype=torch.bfloat16, device="cuda", steps=8)
     overlapped, inline = run_ranks(
@@ -155,7 +174,7 @@ def test_the_asynchronous_step_is_waited_for_by_everything_that_reads_it():
     assert torch.equal(overlapped["losses"], inline["losses"])
     assert torch.equal(overlapped["logits"], inline["logits"])
     assert len(inline["momenta"]) == 21
-    for kind in ("state_dict", "momenta", "weights"):
+    for kind in ("mirror", "state_dict", "momenta", "weights"):
         assert overlapped[kind].keys() == inline[kind].keys()
         for key, value in inline[kind].items():
             assert torch.equal(overlapped[kind][key], value), (kind, key)
