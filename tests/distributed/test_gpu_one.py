@@ -68,9 +68,9 @@ def test_captured_step_equals_the_reference_and_the_eager_step():
 #: GPU cycles each gradient zeroing is held back by (≈ 100 ms), and each replay by twice that:
 #: a read or write that does not wait for the step in flight then sees the old matrices or
 #: gradients yet to be zeroed, and a zeroing issued after the step but not queued behind it
-#: runs before the replay reads the gradients. (At a tenth of this, the host's own time from
-#: the replay's launch to the zeroing's, the AdamW part over FSDP2 DTensors included, was
-#: already past the difference on an H200, and a zeroing on the compute stream went unseen.)
+#: runs before the replay reads the gradients. (A zeroing on the compute stream instead of
+#: after the replay went unseen on an H200 at this delay and at a tenth of it, for a reason
+#: not yet found: docs/benchmarks.md, sixth session.)
 DELAY_CYCLES = 200_000_000
 #: after these steps, at once (each after a step that nothing else waited for): the
 #: parameters read directly after ``wait_all_replicate_broadcasts`` (a loop of one's own, an
@@ -164,7 +164,7 @@ def test_the_asynchronous_step_is_waited_for_by_everything_that_reads_it():
     backward, ``model.state_dict()``, the optimizer state dict and the weights read by the
     state-dict functions right after a step are bitwise those of replays on the current
     stream. (``scripts/run/check_async_step_waits.sh`` re-runs it with each
-    wait taken out: each must fail.)"""
+    wait taken out: each must fail; all but the compute-stream zeroing do.)"""
     cfg = RunConfig(ns_dtype=torch.bfloat16, device="cuda", steps=8)
     overlapped, inline = run_ranks(
         delayed_step_work, 1, [cfg, with_(cfg, async_step=False)], backend="nccl"
