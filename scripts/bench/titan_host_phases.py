@@ -57,7 +57,9 @@ class PhaseClock:
 
         return wrapper
 
-    def summary(self, warmup: int) -> dict[str, float]:
+    def summary(self, warmup: int) -> tuple[int, dict[str, float]]:
+        """(steps counted, median ms per phase) over the steps after ``warmup`` but those
+        :attr:`skipped`."""
         rows = defaultdict(list)
         for index, phases in enumerate(self.steps):
             step = index + 1
@@ -67,7 +69,8 @@ class PhaseClock:
                 rows[phase].append(phases.get(phase, 0.0))
             if index + 1 < len(self.step_starts):
                 rows["wall"].append(1e3 * (self.step_starts[index + 1] - self.step_starts[index]))
-        return {phase: statistics.median(values) for phase, values in rows.items() if values}
+        medians = {phase: statistics.median(values) for phase, values in rows.items() if values}
+        return len(rows["step"]), medians
 
 
 def install(clock: PhaseClock) -> None:
@@ -99,14 +102,14 @@ def install(clock: PhaseClock) -> None:
     stock_forward_backward = Trainer.forward_backward_step
 
     def forward_backward_step(self, **kwargs):
+        # (the model's forward hooks below time ``forward``; the rest of this is backward's)
+        forward_before = clock.current.get("forward", 0.0) if clock.current else 0.0
         start = time.perf_counter()
-        loss = stock_forward_backward(self, **kwargs)
-        forward = clock.current.get("_forward", 0.0) if clock.current else 0.0
-        clock.add("backward", time.perf_counter() - start - forward / 1e3)
-        if clock.current is not None:
-            clock.current["forward"] = clock.current.get("forward", 0.0) + forward
-            clock.current["_forward"] = 0.0
-        return loss
+        try:
+            return stock_forward_backward(self, **kwargs)
+        finally:
+            forward = clock.current.get("forward", 0.0) - forward_before if clock.current else 0.0
+            clock.add("backward", time.perf_counter() - start - forward / 1e3)
 
     Trainer.forward_backward_step = forward_backward_step
 
@@ -123,7 +126,7 @@ def install(clock: PhaseClock) -> None:
                 marks["start"] = time.perf_counter()
 
             def after(_module, _args, _output):
-                clock.add("_forward", time.perf_counter() - marks.pop("start"))
+                clock.add("forward", time.perf_counter() - marks.pop("start"))
 
             for part in self.model_parts:
                 part.register_forward_pre_hook(before, prepend=True)
@@ -141,7 +144,6 @@ def install(clock: PhaseClock) -> None:
         finally:
             phases = clock.current
             phases["step"] = 1e3 * (time.perf_counter() - start)
-            phases.pop("_forward", None)
             phases["other"] = phases["step"] - sum(phases.get(p, 0.0) for p in PHASES)
             clock.steps.append(phases)
             clock.current = None
@@ -163,8 +165,7 @@ def main() -> None:
     titan_train.main(titan_train.Trainer)
     if os.environ.get("RANK", "0") != "0":
         return
-    summary = clock.summary(args.warmup)
-    counted = len(clock.steps) - args.warmup - len(clock.skipped)
+    counted, summary = clock.summary(args.warmup)
     print(f"host ms per step, medians over {counted} steps after step {args.warmup}:")
     print(" ".join(f"{phase}={summary.get(phase, 0.0):.2f}" for phase in (*PHASES, "step", "wall")))
     if args.json:
