@@ -15,7 +15,7 @@ import sys
 
 from titan_logs import DMUON, PLAIN, PLAN, STEP, lines
 
-VAL_TPS = re.compile(r"validate step:.*?tps:\s*([\d,]+)")
+VAL_TPS = re.compile(r"validate step:\s*(\d+).*?tps:\s*([\d,]+)")
 
 
 def summarize(path: str, skip: int, tokens_per_step: int) -> dict:
@@ -23,8 +23,8 @@ def summarize(path: str, skip: int, tokens_per_step: int) -> dict:
     val_tps = []
     for line in lines(path):
         if "validate" in line:
-            if m := VAL_TPS.search(line):
-                val_tps.append(float(m.group(1).replace(",", "")))
+            if (m := VAL_TPS.search(line)) and int(m.group(1)) > skip:
+                val_tps.append(float(m.group(2).replace(",", "")))
             continue
         if (m := PLAN.search(line)) and ns_gflop is None:
             ns_gflop = [float(v) for v in m.group(1).split(",")]

@@ -6,8 +6,14 @@
 #               validation (forward only) tok/s per run, by scripts/analysis/titan_log_summary.py;
 #               VARIANTS (default "adamw dmuon") may add dmuon_sync (async_step off: the
 #               captured step on the compute stream) and dmuon_auto (ns_algorithm "auto")
+#   forward     forward-only (validation) throughput: AdamW and DMuon alternating, ROUNDS
+#               rounds of FWD_STEPS (default 60) training steps with a validation of the whole
+#               split every 10: median validation tok/s per run (the first validation,
+#               at step 1, left out)
 #   profile     one profiled step (30) of each, for scripts/analysis/trace_summary.py
-#   loss        time-to-loss: SEEDS (default "1 2 3") x {AdamW at lr 5e-4, DMuon at 2e-3}
+#   loss        time-to-loss: SEEDS (default "1 2 3") x LOSS_SPECS (default "adamw:5e-4
+#               dmuon:2e-3": AdamW at lr 5e-4, DMuon at 2e-3; "dmuonauto:2e-3" is DMuon with
+#               ns_algorithm "auto")
 #               (each one's best in docs/benchmarks.md's sweep), 1000 steps on the stdlib corpus
 #               in a shuffled order (dataset pystdlib_shuffled_<seed>), debug.seed = seed,
 #               validation every VAL_FREQ (default 100) steps on the whole split; the
@@ -18,7 +24,7 @@
 #               sweep's best, not re-tuned), each alone, LARGER_STEPS (default 500) steps on
 #               pystdlib_shuffled_1, validation every 50; into OUTDIR/larger/ with the
 #               throughput summary and the steps to AdamW's final validation loss
-#   scripts/run/small_scale.sh OUTDIR [throughput] [profile] [loss] [larger]
+#   scripts/run/small_scale.sh OUTDIR [throughput] [forward] [profile] [loss] [larger]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: scripts/run/small_scale.sh OUTDIR [throughput] [profile] [loss] [larger]}
@@ -59,6 +65,18 @@ for part in $PARTS; do
       (cd scripts/analysis && python3 titan_log_summary.py --seq-len 1024 --batch 8 --skip 20 \
         "${logs[@]}") \
         | tee "$OUT/throughput.md" || true ;;
+    forward)
+      logs=()
+      for round in $(seq "$ROUNDS"); do
+        for opt in adamw dmuon; do
+          titan "forward_${opt}_$round" "$opt" --training.steps "${FWD_STEPS:-60}" \
+            --metrics.log_freq 10 --validation.freq 10 --training.dataset pystdlib_shuffled_1
+          logs+=("$OUT/forward_${opt}_$round.log")
+        done
+      done
+      (cd scripts/analysis && python3 titan_log_summary.py --seq-len 1024 --batch 8 --skip 1 \
+        "${logs[@]}") \
+        | tee "$OUT/forward.md" || true ;;
     profile)
       for opt in adamw dmuon; do
         titan "profile_$opt" "$opt" --training.steps 32 --validation.no-enable \
@@ -68,10 +86,15 @@ for part in $PARTS; do
     loss)
       pids=()
       for seed in $SEEDS; do
-        for spec in adamw:5e-4 dmuon:2e-3; do
-          opt=${spec%%:*} lr=${spec##*:}
-          titan "${opt}_s$seed" "$opt" --optimizer.lr "$lr" --debug.seed "$seed" \
-            --training.dataset "pystdlib_shuffled_$seed" --validation.freq "${VAL_FREQ:-100}" &
+        for spec in ${LOSS_SPECS:-adamw:5e-4 dmuon:2e-3}; do
+          name=${spec%%:*} lr=${spec##*:}
+          case $name in
+            dmuonauto) opt=dmuon extra=(--dmuon.ns_algorithm auto) ;;
+            *) opt=$name extra=() ;;
+          esac
+          titan "${name}_s$seed" "$opt" --optimizer.lr "$lr" --debug.seed "$seed" \
+            --training.dataset "pystdlib_shuffled_$seed" --validation.freq "${VAL_FREQ:-100}" \
+            "${extra[@]}" &
           pids+=($!)
         done
       done
