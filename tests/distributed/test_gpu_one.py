@@ -100,9 +100,9 @@ def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> l
         zero(tensors)
 
     # The first launch of a kernel loads its module (CUDA's lazy loading), which may
-    # synchronize the whole device: the likely reason why a zeroing queued on the compute
-    # stream went unseen on an H200 (the first zeroing of the held gradients, at step 2,
-    # would have waited on the host for the replay; not yet confirmed on a GPU). Loaded
+    # synchronize the whole device: without this, the first zeroing of the held gradients
+    # (step 2) waited on the host for the replay, and a zeroing queued on the compute stream
+    # went unseen on an H200 (seen since; docs/benchmarks.md, seventh session). Loaded
     # here, no launch in the loop below synchronizes.
     for dtype in {cfg.param_dtype for cfg in configs}:
         zero([torch.ones(1, dtype=dtype, device=configs[0].device)])
