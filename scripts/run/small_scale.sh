@@ -24,6 +24,8 @@
 #               sweep's best, not re-tuned), each alone, LARGER_STEPS (default 500) steps on
 #               pystdlib_shuffled_1, validation every 50; into OUTDIR/larger/ with the
 #               throughput summary and the steps to AdamW's final validation loss
+#   PIN (e.g. "0-3"): run every torchrun under `taskset -c PIN`, so that all runs use the same
+#               host cores (a test of whether core placement is the run-to-run spread)
 #   scripts/run/small_scale.sh OUTDIR [throughput] [forward] [profile] [loss] [larger]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -40,7 +42,8 @@ python3 -m dmuon_titan.toy --out outputs/assets/tokenizer_8k --vocab-size 8192
 titan() {  # titan NAME OPTIMIZER [overrides...]
   local name=$1 opt=$2
   shift 2
-  torchrun --standalone --nproc_per_node=1 --role rank --tee 3 -m torchtitan.train \
+  ${PIN:+taskset -c "$PIN"} torchrun --standalone --nproc_per_node=1 --role rank --tee 3 \
+    -m torchtitan.train \
     --job.config_file "configs/llm170m_${opt}.toml" --job.dump_folder "$OUT/dump_$name" \
     --metrics.disable_color_printing "$@" >"$OUT/$name.log" 2>&1 \
     || { echo "$name failed:"; tail -30 "$OUT/$name.log"; return 1; }
