@@ -48,6 +48,12 @@ titan() {  # titan NAME OPTIMIZER [overrides...]
     --metrics.disable_color_printing "$@" >"$OUT/$name.log" 2>&1 \
     || { echo "$name failed:"; tail -30 "$OUT/$name.log"; return 1; }
 }
+summarize() {  # summarize SKIP OUTFILE LOG...: the runs' medians after step SKIP, printed and kept
+  local skip=$1 out=$2
+  shift 2
+  (cd scripts/analysis && python3 titan_log_summary.py --seq-len 1024 --batch 8 --skip "$skip" \
+    "$@") | tee "$out" || true
+}
 for part in $PARTS; do
   case $part in
     throughput)
@@ -65,9 +71,7 @@ for part in $PARTS; do
           logs+=("$OUT/throughput_${variant}_$round.log")
         done
       done
-      (cd scripts/analysis && python3 titan_log_summary.py --seq-len 1024 --batch 8 --skip 20 \
-        "${logs[@]}") \
-        | tee "$OUT/throughput.md" || true ;;
+      summarize 20 "$OUT/throughput.md" "${logs[@]}" ;;
     forward)
       logs=()
       for round in $(seq "$ROUNDS"); do
@@ -77,9 +81,7 @@ for part in $PARTS; do
           logs+=("$OUT/forward_${opt}_$round.log")
         done
       done
-      (cd scripts/analysis && python3 titan_log_summary.py --seq-len 1024 --batch 8 --skip 1 \
-        "${logs[@]}") \
-        | tee "$OUT/forward.md" || true ;;
+      summarize 1 "$OUT/forward.md" "${logs[@]}" ;;
     profile)
       for opt in adamw dmuon; do
         titan "profile_$opt" "$opt" --training.steps 32 --validation.no-enable \
