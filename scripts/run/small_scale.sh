@@ -29,7 +29,7 @@
 #   scripts/run/small_scale.sh OUTDIR [throughput] [forward] [profile] [loss] [larger]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: scripts/run/small_scale.sh OUTDIR [throughput] [profile] [loss] [larger]}
+OUT=${1:?usage: scripts/run/small_scale.sh OUTDIR [throughput] [forward] [profile] [loss] [larger]}
 shift
 PARTS=${*:-throughput profile loss}
 STEPS=${STEPS:-300}
