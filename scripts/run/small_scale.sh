@@ -13,7 +13,8 @@
 #   profile     one profiled step (30) of each, for scripts/analysis/trace_summary.py
 #   loss        time-to-loss: SEEDS (default "1 2 3") x LOSS_SPECS (default "adamw:5e-4
 #               dmuon:2e-3": AdamW at lr 5e-4, DMuon at 2e-3; "dmuonauto:2e-3" is DMuon with
-#               ns_algorithm "auto")
+#               ns_algorithm "auto"; the first spec is the baseline of the comparison, the
+#               second the challenger)
 #               (each one's best in docs/benchmarks.md's sweep), 1000 steps on the stdlib corpus
 #               in a shuffled order (dataset pystdlib_shuffled_<seed>), debug.seed = seed,
 #               validation every VAL_FREQ (default 100) steps on the whole split; the
@@ -106,7 +107,10 @@ for part in $PARTS; do
       status=0
       for pid in "${pids[@]}"; do wait "$pid" || status=1; done
       [[ $status -eq 0 ]] || exit 1
-      (cd scripts/analysis && python3 time_to_loss.py "$OUT" --json "$OUT/time_to_loss.json") \
+      specs=(${LOSS_SPECS:-adamw:5e-4 dmuon:2e-3})  # the first is the baseline, the second the challenger
+      baseline=${specs[0]%%:*} challenger=${specs[1]:-none}
+      (cd scripts/analysis && python3 time_to_loss.py "$OUT" --json "$OUT/time_to_loss.json" \
+        --baseline "$baseline" --challenger "${challenger%%:*}") \
         | tee "$OUT/time_to_loss.md" || true ;;
     larger)
       mkdir -p "$OUT/larger"
