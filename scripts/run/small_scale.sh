@@ -12,10 +12,10 @@
 #               at step 1, left out)
 #   profile     one profiled step (30) of each, for scripts/analysis/trace_summary.py
 #   loss        time-to-loss: SEEDS (default "1 2 3") x LOSS_SPECS (default "adamw:5e-4
-#               dmuon:2e-3": AdamW at lr 5e-4, DMuon at 2e-3; "dmuonauto:2e-3" is DMuon with
-#               ns_algorithm "auto"; the first spec is the baseline of the comparison, the
-#               second the challenger)
-#               (each one's best in docs/benchmarks.md's sweep), 1000 steps on the stdlib corpus
+#               dmuon:2e-3", VARIANT:lr, e.g. "dmuon_auto:2e-3"; AdamW at 5e-4 and DMuon at 2e-3
+#               are each one's best in docs/benchmarks.md's sweep; the first spec is the
+#               baseline of the comparison, the second the challenger; logs are named
+#               VARIANT_s<seed>.log, VARIANT without underscores), 1000 steps on the stdlib corpus
 #               in a shuffled order (dataset pystdlib_shuffled_<seed>), debug.seed = seed,
 #               validation every VAL_FREQ (default 100) steps on the whole split; the
 #               runs share the GPU side by side (the step counts do not depend on it), and the
@@ -36,17 +36,22 @@ PARTS=${*:-throughput profile loss}
 STEPS=${STEPS:-300}
 ROUNDS=${ROUNDS:-2}
 SEEDS=${SEEDS:-1 2 3}
+LOSS_SPECS=${LOSS_SPECS:-adamw:5e-4 dmuon:2e-3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 python3 -m dmuon_titan.toy --out outputs/assets/tokenizer_8k --vocab-size 8192
-titan() {  # titan NAME OPTIMIZER [overrides...]
-  local name=$1 opt=$2
+titan() {  # titan NAME VARIANT [overrides...]: VARIANT adamw, dmuon, dmuon_sync or dmuon_auto
+  local name=$1 opt=$2 extra=()
   shift 2
+  case $opt in
+    dmuon_sync) opt=dmuon extra=(--dmuon.no_async_step) ;;
+    dmuon_auto) opt=dmuon extra=(--dmuon.ns_algorithm auto) ;;
+  esac
   ${PIN:+taskset -c "$PIN"} torchrun --standalone --nproc_per_node=1 --role rank --tee 3 \
     -m torchtitan.train \
     --job.config_file "configs/llm170m_${opt}.toml" --job.dump_folder "$OUT/dump_$name" \
-    --metrics.disable_color_printing "$@" >"$OUT/$name.log" 2>&1 \
+    --metrics.disable_color_printing "$@" "${extra[@]}" >"$OUT/$name.log" 2>&1 \
     || { echo "$name failed:"; tail -30 "$OUT/$name.log"; return 1; }
 }
 summarize() {  # summarize SKIP OUTFILE LOG...: the runs' medians after step SKIP, printed and kept
@@ -61,14 +66,8 @@ for part in $PARTS; do
       logs=()
       for round in $(seq "$ROUNDS"); do
         for variant in ${VARIANTS:-adamw dmuon}; do
-          case $variant in
-            dmuon_sync) opt=dmuon extra=(--dmuon.no_async_step) ;;
-            dmuon_auto) opt=dmuon extra=(--dmuon.ns_algorithm auto) ;;
-            *) opt=$variant extra=() ;;
-          esac
-          titan "throughput_${variant}_$round" "$opt" --training.steps "$STEPS" \
-            --metrics.log_freq 10 --validation.freq 100 --training.dataset pystdlib_shuffled_1 \
-            "${extra[@]}"
+          titan "throughput_${variant}_$round" "$variant" --training.steps "$STEPS" \
+            --metrics.log_freq 10 --validation.freq 100 --training.dataset pystdlib_shuffled_1
           logs+=("$OUT/throughput_${variant}_$round.log")
         done
       done
@@ -92,25 +91,22 @@ for part in $PARTS; do
     loss)
       pids=()
       for seed in $SEEDS; do
-        for spec in ${LOSS_SPECS:-adamw:5e-4 dmuon:2e-3}; do
-          name=${spec%%:*} lr=${spec##*:}
-          case $name in
-            dmuonauto) opt=dmuon extra=(--dmuon.ns_algorithm auto) ;;
-            *) opt=$name extra=() ;;
-          esac
-          titan "${name}_s$seed" "$opt" --optimizer.lr "$lr" --debug.seed "$seed" \
-            --training.dataset "pystdlib_shuffled_$seed" --validation.freq "${VAL_FREQ:-100}" \
-            "${extra[@]}" &
+        for spec in $LOSS_SPECS; do
+          variant=${spec%%:*} lr=${spec##*:}
+          # time_to_loss.py reads <optimizer>_s<seed>.log, the optimizer without underscores
+          titan "${variant//_/}_s$seed" "$variant" --optimizer.lr "$lr" --debug.seed "$seed" \
+            --training.dataset "pystdlib_shuffled_$seed" --validation.freq "${VAL_FREQ:-100}" &
           pids+=($!)
         done
       done
       status=0
       for pid in "${pids[@]}"; do wait "$pid" || status=1; done
       [[ $status -eq 0 ]] || exit 1
-      specs=(${LOSS_SPECS:-adamw:5e-4 dmuon:2e-3})  # the first is the baseline, the second the challenger
+      specs=($LOSS_SPECS)  # the first is the baseline, the second the challenger
       baseline=${specs[0]%%:*} challenger=${specs[1]:-none}
+      challenger=${challenger%%:*}
       (cd scripts/analysis && python3 time_to_loss.py "$OUT" --json "$OUT/time_to_loss.json" \
-        --baseline "$baseline" --challenger "${challenger%%:*}") \
+        --baseline "${baseline//_/}" --challenger "${challenger//_/}") \
         | tee "$OUT/time_to_loss.md" || true ;;
     larger)
       mkdir -p "$OUT/larger"
