@@ -54,6 +54,17 @@ titan() {  # titan NAME VARIANT [overrides...]: VARIANT adamw, dmuon, dmuon_sync
     --metrics.disable_color_printing "$@" "${extra[@]}" >"$OUT/$name.log" 2>&1 \
     || { echo "$name failed:"; tail -30 "$OUT/$name.log"; return 1; }
 }
+alternate() {  # alternate PART "VARIANT..." [overrides...]: ROUNDS rounds, each run alone; logs in logs
+  local part=$1 variants=$2 round variant
+  shift 2
+  logs=()
+  for round in $(seq "$ROUNDS"); do
+    for variant in $variants; do
+      titan "${part}_${variant}_$round" "$variant" "$@"
+      logs+=("$OUT/${part}_${variant}_$round.log")
+    done
+  done
+}
 summarize() {  # summarize SKIP OUTFILE LOG...: the runs' medians after step SKIP, printed and kept
   local skip=$1 out=$2
   shift 2
@@ -63,24 +74,12 @@ summarize() {  # summarize SKIP OUTFILE LOG...: the runs' medians after step SKI
 for part in $PARTS; do
   case $part in
     throughput)
-      logs=()
-      for round in $(seq "$ROUNDS"); do
-        for variant in ${VARIANTS:-adamw dmuon}; do
-          titan "throughput_${variant}_$round" "$variant" --training.steps "$STEPS" \
-            --metrics.log_freq 10 --validation.freq 100 --training.dataset pystdlib_shuffled_1
-          logs+=("$OUT/throughput_${variant}_$round.log")
-        done
-      done
+      alternate throughput "${VARIANTS:-adamw dmuon}" --training.steps "$STEPS" \
+        --metrics.log_freq 10 --validation.freq 100 --training.dataset pystdlib_shuffled_1
       summarize 20 "$OUT/throughput.md" "${logs[@]}" ;;
     forward)
-      logs=()
-      for round in $(seq "$ROUNDS"); do
-        for opt in adamw dmuon; do
-          titan "forward_${opt}_$round" "$opt" --training.steps "${FWD_STEPS:-60}" \
-            --metrics.log_freq 10 --validation.freq 10 --training.dataset pystdlib_shuffled_1
-          logs+=("$OUT/forward_${opt}_$round.log")
-        done
-      done
+      alternate forward "adamw dmuon" --training.steps "${FWD_STEPS:-60}" \
+        --metrics.log_freq 10 --validation.freq 10 --training.dataset pystdlib_shuffled_1
       summarize 1 "$OUT/forward.md" "${logs[@]}" ;;
     profile)
       for opt in adamw dmuon; do
