@@ -2,7 +2,8 @@
 
 Each rank's return value is saved with ``torch.save``; an exception on any rank fails the
 caller with that rank's traceback; a rank still running after ``timeout`` means a hang and
-fails too (all ranks are killed).
+fails too (all ranks are killed). Ranks are forked from the tests' fork server (see
+``processes.py``), or spawned under ``DMUON_TESTS_FRESH_PROCESSES=1``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from . import processes
 
 
 def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, args: tuple) -> None:
@@ -55,7 +57,7 @@ def run_ranks(
 ) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, one process each."""
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
+        ctx = processes.context()
         procs = [
             ctx.Process(target=_entry, args=(r, world_size, backend, tmp, fn, args))
             for r in range(world_size)

@@ -22,14 +22,13 @@ from .test_titan import (
 FLOAT8 = ["--model.converters", "quantize.linear.float8,dmuon", "--quantize.linear.float8.emulate"]
 
 
-def test_float8_linears_with_dmuon_equal_the_naive_path(tokenizer_dir, tmp_path):
+def test_float8_linears_with_dmuon_equal_the_naive_path(tokenizer_dir, tmp_path, toy_seed):
     """float8 linears (emulated) on 2 ranks from one seed checkpoint: the owners keep fp32
     masters and forward casts the broadcast weights to float8 as it casts FSDP2's, so the
     first step's loss (same weights) equals the naive path's (every weight on FSDP2,
     all-gathered) within 1e-6, later steps within 1e-3 (float8 rounding amplifies the 1e-7
     differences of batched vs single Newton–Schulz: 5e-5 seen at step 5), and they fall."""
     pytest.importorskip("torchao")
-    seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
     losses = {}
     for mode in ("dedicated", "naive"):
         dump = tmp_path / mode
@@ -42,7 +41,7 @@ def test_float8_linears_with_dmuon_equal_the_naive_path(tokenizer_dir, tmp_path)
                 "--dmuon.mode",
                 mode,
                 "--validation.no-enable",
-                *from_seed(seed, 6),
+                *from_seed(toy_seed, 6),
             ),
         )
         assert "Swapped to Float8Linear" in out
@@ -54,17 +53,16 @@ def test_float8_linears_with_dmuon_equal_the_naive_path(tokenizer_dir, tmp_path)
     assert losses["dedicated"][6] < losses["dedicated"][1]
 
 
-def test_context_parallel_equals_one_rank_and_resumes(tokenizer_dir, tmp_path):
+def test_context_parallel_equals_one_rank_and_resumes(tokenizer_dir, tmp_path, toy_seed):
     """Context parallelism 2 on 2 CPU ranks (the CP ranks are data-parallel ranks for the
     parameters: owners planned and gradients reduced over them) from one seed checkpoint:
     losses equal the one-rank run's (same global batch) within 1e-5 over 10 steps; stopped
     at 5 and resumed, steps 6-10 are bit-identical."""
-    seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
     common = [
         "--validation.no-enable",
         *checkpointed_args(total_steps=10, interval=5, validation_freq=100),
         "--checkpoint.initial_load_path",
-        seed,
+        toy_seed,
         "--dmuon.ns_dtype",
         "float32",
     ]
@@ -86,7 +84,7 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 INTERLEAVED = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
 
 
-def test_pipeline_parallel_equals_one_stage_and_the_naive_path(tokenizer_dir, tmp_path):
+def test_pipeline_parallel_equals_one_stage_and_the_naive_path(tokenizer_dir, tmp_path, toy_seed):
     """Pipeline parallelism from one seed checkpoint, 2 microbatches per step: pp 2 (2
     ranks) and pp 2 x dp 2 (4 ranks), 1F1B and Interleaved1F1B (4 stages): the losses of
     every step equal the pp 1 run's of the same global batch within 1e-5, and the naive
@@ -96,8 +94,7 @@ def test_pipeline_parallel_equals_one_stage_and_the_naive_path(tokenizer_dir, tm
     (pytorch/torchtitan#2972: the schedule's loss is not divided by the token count); DMuon's
     are scaled exactly like FSDP2's of the same run. Clipping at max_norm 0.1, active at
     every step with and without PP (asserted), makes the two comparable."""
-    seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
-    common = ["--validation.no-enable", *from_seed(seed, 5), "--training.max_norm", "0.1"]
+    common = ["--validation.no-enable", *from_seed(toy_seed, 5), "--training.max_norm", "0.1"]
     runs = {
         "pp1": (1, []),
         "pp2": (2, PP2),
@@ -125,14 +122,13 @@ def test_pipeline_parallel_equals_one_stage_and_the_naive_path(tokenizer_dir, tm
     assert losses["pp2xdp2"][5] < losses["pp2xdp2"][1]
 
 
-def test_pipeline_parallel_resumes_and_loads_at_other_degrees(tokenizer_dir, tmp_path):
+def test_pipeline_parallel_resumes_and_loads_at_other_degrees(tokenizer_dir, tmp_path, toy_seed):
     """pp 2 x dp 2, Interleaved1F1B: stopped at 3 and resumed, steps 4-6 are bit-identical
     to the uninterrupted run; its step-3 checkpoint loads at pp 2 x dp 1, pp 1 x dp 2 and on
     one rank with identical weights and momentum (torchtitan's data loader state cannot
     change its data-parallel degree: left out, as in the DP tests)."""
-    seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
     layouts = {"pp2xdp1": (2, PP2), "pp1xdp2": (2, []), "pp1": (1, [])}
-    _resumes_at_3_and_loads(tokenizer_dir, tmp_path, seed, [*PP2, *INTERLEAVED], layouts)
+    _resumes_at_3_and_loads(tokenizer_dir, tmp_path, toy_seed, [*PP2, *INTERLEAVED], layouts)
 
 
 def _resumes_at_3_and_loads(tokenizer_dir, tmp_path, seed: str, layout: list, layouts) -> None:
@@ -201,7 +197,7 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 
 
 def test_tensor_parallel_equals_the_naive_path_resumes_and_loads_at_other_degrees(
-    tokenizer_dir, tmp_path
+    tokenizer_dir, tmp_path, toy_seed
 ):
     """tp 2 x dp 2 (4 ranks) from one seed checkpoint, fp32 NS, clipping on: the loss falls
     and equals the naive path's (every weight on FSDP2 x TP, all-gathered, NS on every rank)
@@ -209,12 +205,11 @@ def test_tensor_parallel_equals_the_naive_path_resumes_and_loads_at_other_degree
     bit-identical; the step-5 checkpoint loads at tp 1 x dp 2 and tp 2 x dp 1 with identical
     weights and momentum. With ``[dmuon] tp_ns = "shared"`` (each row's two ranks share
     every Newton–Schulz) the losses equal the naive path's within 1e-5 as well."""
-    seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
     common = [
         "--validation.no-enable",
         *checkpointed_args(total_steps=10, interval=5, validation_freq=100),
         "--checkpoint.initial_load_path",
-        seed,
+        toy_seed,
         "--dmuon.ns_dtype",
         "float32",
         "--training.max_norm",
@@ -279,15 +274,16 @@ def _check_loads_identically(tokenizer_dir, tmp_path, dump, step: int, common, l
             assert torch.equal(value, saved["optimizer"][f"state.{fqn}.{key}"]), (name, fqn, key)
 
 
-def test_tensor_parallel_with_pipeline_parallel_equals_the_naive_path(tokenizer_dir, tmp_path):
+def test_tensor_parallel_with_pipeline_parallel_equals_the_naive_path(
+    tokenizer_dir, tmp_path, toy_seed
+):
     """tp 2 x pp 2 (4 ranks) from one seed checkpoint, fp32 NS, clipping active, 4 steps:
     DMuon (1F1B), DMuon with each row sharing its Newton–Schulz (``tp_ns = "shared"``,
     Interleaved1F1B over 4 stages) and the naive path (every weight on FSDP2 x TP, NS on
     every rank; 1F1B) take the same losses within 1e-5 per step, and the loss falls."""
-    seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
     common = [
         "--validation.no-enable",
-        *from_seed(seed, 4),
+        *from_seed(toy_seed, 4),
         "--training.max_norm",
         "0.1",
         "--dmuon.ns_dtype",
@@ -317,18 +313,17 @@ def test_tensor_parallel_with_pipeline_parallel_equals_the_naive_path(tokenizer_
 
 @pytest.mark.slow
 def test_tensor_parallel_with_pipeline_parallel_resumes_loads_and_adds_data_parallelism(
-    tokenizer_dir, tmp_path
+    tokenizer_dir, tmp_path, toy_seed
 ):
     """(slow: 8 CPU ranks) tp 2 x pp 2: stopped at 3 and resumed, steps 4-6 are
     bit-identical; its step-3 checkpoint loads at tp 2 x pp 1, tp 1 x pp 2 and on one rank
     with identical weights and momentum. tp 2 x pp 2 x dp 2 (8 ranks) equals tp 2 x dp 2
     (4 ranks) within 1e-5 per step over 4 steps."""
-    seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed")
     mine = [*TP2, *PP2]
     layouts = {"tp2xpp1": (2, TP2), "tp1xpp2": (2, PP2), "one": (1, [])}
-    _resumes_at_3_and_loads(tokenizer_dir, tmp_path, seed, mine, layouts)
+    _resumes_at_3_and_loads(tokenizer_dir, tmp_path, toy_seed, mine, layouts)
 
-    plain = ["--validation.no-enable", *from_seed(seed, 4), "--training.max_norm", "0.1"]
+    plain = ["--validation.no-enable", *from_seed(toy_seed, 4), "--training.max_norm", "0.1"]
     losses = []
     for n, extra in ((4, TP2), (8, mine)):
         dump = tmp_path / f"dp2_{n}"

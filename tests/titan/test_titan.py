@@ -1,5 +1,7 @@
-"""The torchtitan 0.2.2 plugin, end to end: real ``torchrun`` launches of the toy config on
-CPU ranks (gloo), checkpoints through torchtitan's CheckpointManager and DCP."""
+"""The torchtitan 0.2.2 plugin, end to end: multi-rank launches of the toy config on CPU ranks
+(gloo), checkpoints through torchtitan's CheckpointManager and DCP. Ranks are forked from one
+server that imported torchtitan (``tests/helpers/processes.py``); the bad-config tests use
+real ``torchrun``, and ``DMUON_TESTS_FRESH_PROCESSES=1`` puts every launch under it."""
 
 from __future__ import annotations
 
@@ -13,17 +15,25 @@ import pytest
 import torch
 import torchtitan  # noqa: F401  (a dependency: a failed import must fail, not skip)
 
+from ..helpers import processes
+
 REPO = Path(__file__).resolve().parents[2]
 TOY = REPO / "configs" / "toy_dmuon.toml"
 
 
+JOB_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
 def torchrun(nproc: int, *args: str, script: str | None = None, timeout: int = 600):
+    """A real torchrun launch (fresh interpreters): (exit status, output)."""
     env = {
         **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
+        **JOB_ENV,
         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }
     target = [script] if script else ["-m", "torchtitan.train"]
@@ -159,8 +169,17 @@ def seed_checkpoint(tokenizer_dir, path: Path, *extra: str) -> tuple[str, str]:
     return str(path / "checkpoint" / "step-0"), out
 
 
+def launch(nproc: int, *args: str, script: str | None = None, timeout: int = 600):
+    """torchtitan (or ``script``) on ``nproc`` forked CPU ranks, as torchrun would run it:
+    (exit status, output). Under ``DMUON_TESTS_FRESH_PROCESSES=1``, real torchrun."""
+    if processes.FRESH:
+        return torchrun(nproc, *args, script=script, timeout=timeout)
+    target = script or "torchtitan.train"
+    return processes.launch(nproc, target, list(args), JOB_ENV, REPO, timeout)
+
+
 def run_ok(nproc: int, *args: str, **kw) -> str:
-    rc, out = torchrun(nproc, *args, **kw)
+    rc, out = launch(nproc, *args, **kw)
     assert rc == 0, out[-6000:]
     return out
 
@@ -350,71 +369,73 @@ def test_bad_toml_values_and_keys_are_named(tmp_path):
         assert key in str(err.value), (section, str(err.value))
 
 
-@pytest.mark.parametrize(
-    "config, override, key",
-    [
-        ("toy_dmuon.toml", ["--dmuon.params", "layers\\.\\d+\\.moe\\..*"], "matches no parameter"),
-        ("toy_dmuon.toml", ["--dmuon.params", "layers\\.\\d+\\.attention_norm\\.weight"], "2-D"),
-        ("toy_dmuon.toml", ["--optimizer.name", "AdamW"], "[optimizer] name"),
-        ("toy_adamw.toml", ["--optimizer.name", "DMuon"], "converters"),
-        ("toy_dmuon.toml", ["--dmuon.ns_steps", "0"], "[dmuon] ns_steps"),
-        ("no-config-module", [], "custom_config_module"),
-        ("toy_dmuon.toml", ["--model.name", "llama3_ft"], "[model] name = 'llama3_ft'"),
-        (
-            "toy_dmuon.toml",
-            ["--model.name", "qwen3", "--dmuon.params", "output\\.weight"],
-            "'output.weight', a tied weight",
-        ),
-        (
-            "toy_dmuon.toml",
-            ["--model.converters", "dmuon,quantize.linear.float8"],
-            'put "dmuon" after "quantize.linear.float8"',
-        ),
-        (
-            "toy_dmuon.toml",
-            ["--model.converters", "dmuon,quantize.linear.mx"],
-            "['quantize.linear.mx'] not supported with DMuon",
-        ),
-        (
-            "toy_dmuon.toml",
-            [
-                "--parallelism.pipeline_parallel_degree",
-                "2",
-                "--parallelism.pipeline_parallel_schedule",
-                "ZBVZeroBubble",
-            ],
-            "parallelism.pipeline_parallel_schedule = 'ZBVZeroBubble'",
-        ),
-        (
-            "toy_dmuon.toml",
-            [
-                "--model.converters",
-                "quantize.linear.float8,dmuon",
-                "--quantize.linear.float8.emulate",
-                "--quantize.linear.float8.enable_fsdp_float8_all_gather",
-            ],
-            "quantize.linear.float8.enable_fsdp_float8_all_gather = true",
-        ),
-    ],
-    ids=[
-        "no-match",
-        "not-2d",
-        "converter-without-dmuon",
-        "dmuon-without-converter",
-        "ns_steps",
-        "no-config-module",
-        "unserved-model",
-        "tied-weight",
-        "float8-after-dmuon",
-        "mx",
-        "pp-zero-bubble",
-        "float8-all-gather",
-    ],
-)
-def test_bad_config_exits_cleanly_under_torchrun(tokenizer_dir, tmp_path, config, override, key):
-    """Each mistake: a non-zero exit, one line naming the key printed once (by rank 0), no
-    Python traceback at all: none from any rank, and none from the launcher
-    (``python -m dmuon_titan.launch``, torchrun's launcher with failed ranks in one line)."""
+#: (config, overrides, what the one line names), by id: a mistake of each kind the plugin checks,
+#: from the config alone (parse time, converter) or with the model built (selection)
+BAD_CONFIGS = {
+    "no-match": (
+        "toy_dmuon.toml",
+        ["--dmuon.params", "layers\\.\\d+\\.moe\\..*"],
+        "matches no parameter",
+    ),
+    "not-2d": (
+        "toy_dmuon.toml",
+        ["--dmuon.params", "layers\\.\\d+\\.attention_norm\\.weight"],
+        "2-D",
+    ),
+    "converter-without-dmuon": (
+        "toy_dmuon.toml",
+        ["--optimizer.name", "AdamW"],
+        "[optimizer] name",
+    ),
+    "dmuon-without-converter": ("toy_adamw.toml", ["--optimizer.name", "DMuon"], "converters"),
+    "ns_steps": ("toy_dmuon.toml", ["--dmuon.ns_steps", "0"], "[dmuon] ns_steps"),
+    "no-config-module": ("no-config-module", [], "custom_config_module"),
+    "unserved-model": (
+        "toy_dmuon.toml",
+        ["--model.name", "llama3_ft"],
+        "[model] name = 'llama3_ft'",
+    ),
+    "tied-weight": (
+        "toy_dmuon.toml",
+        ["--model.name", "qwen3", "--dmuon.params", "output\\.weight"],
+        "'output.weight', a tied weight",
+    ),
+    "float8-after-dmuon": (
+        "toy_dmuon.toml",
+        ["--model.converters", "dmuon,quantize.linear.float8"],
+        'put "dmuon" after "quantize.linear.float8"',
+    ),
+    "mx": (
+        "toy_dmuon.toml",
+        ["--model.converters", "dmuon,quantize.linear.mx"],
+        "['quantize.linear.mx'] not supported with DMuon",
+    ),
+    "pp-zero-bubble": (
+        "toy_dmuon.toml",
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "ZBVZeroBubble",
+        ],
+        "parallelism.pipeline_parallel_schedule = 'ZBVZeroBubble'",
+    ),
+    "float8-all-gather": (
+        "toy_dmuon.toml",
+        [
+            "--model.converters",
+            "quantize.linear.float8,dmuon",
+            "--quantize.linear.float8.emulate",
+            "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+        ],
+        "quantize.linear.float8.enable_fsdp_float8_all_gather = true",
+    ),
+}
+#: the ones launched under real torchrun, for the launcher's line: one per stage of checking
+UNDER_TORCHRUN = ["ns_steps", "float8-after-dmuon", "no-match"]
+
+
+def _bad_config_args(tokenizer_dir, tmp_path, config: str, override: list[str]) -> list[str]:
     path = REPO / "configs" / config
     if config == "no-config-module":  # the four lines minus custom_config_module, no [dmuon]
         text = TOY.read_text().split("\n[dmuon]")[0]
@@ -422,7 +443,7 @@ def test_bad_config_exits_cleanly_under_torchrun(tokenizer_dir, tmp_path, config
         path.write_text(
             "\n".join(line for line in text.splitlines() if "custom_config_module" not in line)
         )
-    args = [
+    return [
         "--job.config_file",
         str(path),
         "--job.dump_folder",
@@ -431,10 +452,30 @@ def test_bad_config_exits_cleanly_under_torchrun(tokenizer_dir, tmp_path, config
         str(tokenizer_dir),
         *override,
     ]
-    rc, out = torchrun(2, *args, timeout=300)
+
+
+def _assert_one_clean_line(rc: int, out: str, key: str) -> None:
     assert rc != 0
     assert out.count("dmuon_titan config error") == 1 and key in out, out[-3000:]
     assert "Traceback (most recent call last)" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("name", [n for n in BAD_CONFIGS if n not in UNDER_TORCHRUN])
+def test_bad_config_exits_in_one_line(tokenizer_dir, tmp_path, name):
+    """Each mistake on 2 ranks: a non-zero exit, one line naming the key printed once (by
+    rank 0), no Python traceback from any rank."""
+    config, override, key = BAD_CONFIGS[name]
+    rc, out = launch(2, *_bad_config_args(tokenizer_dir, tmp_path, config, override), timeout=300)
+    _assert_one_clean_line(rc, out, key)
+
+
+@pytest.mark.parametrize("name", UNDER_TORCHRUN)
+def test_bad_config_exits_cleanly_under_torchrun(tokenizer_dir, tmp_path, name):
+    """As above, under real torchrun, and no traceback from the launcher either
+    (``python -m dmuon_titan.launch``, torchrun's launcher with failed ranks in one line)."""
+    config, override, key = BAD_CONFIGS[name]
+    rc, out = torchrun(2, *_bad_config_args(tokenizer_dir, tmp_path, config, override), timeout=300)
+    _assert_one_clean_line(rc, out, key)
     assert "dmuon_titan launch: torchtitan.train failed (rank " in out, out[-3000:]
 
 
@@ -445,7 +486,7 @@ def test_resuming_another_optimizers_checkpoint_is_one_line(tokenizer_dir, tmp_p
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "1", "--validation.freq", "100"]
     adamw = REPO / "configs" / "toy_adamw.toml"
     run_ok(1, *toy_args(tokenizer_dir, dump, *ckpt, "--training.steps", "1", config=adamw))
-    rc, out = torchrun(2, *toy_args(tokenizer_dir, dump, *ckpt, "--training.steps", "2"))
+    rc, out = launch(2, *toy_args(tokenizer_dir, dump, *ckpt, "--training.steps", "2"))
     assert rc != 0
     assert out.count("dmuon_titan config error") == 1 and "initial_load_model_only" in out, out[
         -3000:
@@ -501,8 +542,10 @@ def test_hsdp_toy_trains_and_resumes_on_4_ranks(tokenizer_dir, tmp_path):
 
 
 def test_ddp_toy_trains(tokenizer_dir, tmp_path):
-    """Pure replication (torchtitan's DDP): DMuon plans over the 2 replicas."""
-    out = run_ok(
+    """Pure replication (torchtitan's DDP): DMuon plans over the 2 replicas. Under real
+    torchrun, as the README's command runs: a training that ends well exits with status 0
+    (fresh interpreters, whose teardown ``dmuon_titan.toy.exit`` shortens)."""
+    rc, out = torchrun(
         2,
         *toy_args(
             tokenizer_dir,
@@ -517,6 +560,7 @@ def test_ddp_toy_trains(tokenizer_dir, tmp_path):
             "1",
         ),
     )
+    assert rc == 0, out[-6000:]
     assert "DMuon: 42 matrices on 2 ranks (2 replicas x 1 shard)" in out
     losses = tb_losses(tmp_path)
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
