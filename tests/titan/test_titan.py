@@ -1,7 +1,8 @@
 """The torchtitan 0.2.2 plugin, end to end: multi-rank launches of the toy config on CPU ranks
 (gloo), checkpoints through torchtitan's CheckpointManager and DCP. Ranks are forked from one
-server that imported torchtitan (``tests/helpers/processes.py``); the bad-config tests use
-real ``torchrun``, and ``DMUON_TESTS_FRESH_PROCESSES=1`` puts every launch under it."""
+server that imported torchtitan (``tests/helpers/processes.py``); three bad-config tests and
+one training use real ``torchrun``, and ``DMUON_TESTS_FRESH_PROCESSES=1`` (or a CUDA machine)
+puts every launch under it."""
 
 from __future__ import annotations
 
@@ -171,7 +172,7 @@ def seed_checkpoint(tokenizer_dir, path: Path, *extra: str) -> tuple[str, str]:
 
 def launch(nproc: int, *args: str, script: str | None = None, timeout: int = 600):
     """torchtitan (or ``script``) on ``nproc`` forked CPU ranks, as torchrun would run it:
-    (exit status, output). Under ``DMUON_TESTS_FRESH_PROCESSES=1``, real torchrun."""
+    (exit status, output). Real torchrun where ``processes.FRESH`` says so."""
     if processes.FRESH:
         return torchrun(nproc, *args, script=script, timeout=timeout)
     target = script or "torchtitan.train"
