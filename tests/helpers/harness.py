@@ -3,7 +3,7 @@
 Each rank's return value is saved with ``torch.save``; an exception on any rank fails the
 caller with that rank's traceback; a rank still running after ``timeout`` means a hang and
 fails too (all ranks are killed). Ranks are forked from the tests' fork server (see
-``processes.py``), or spawned under ``DMUON_TESTS_FRESH_PROCESSES=1``.
+``processes.py``), or spawned where ``processes.FRESH`` says so.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -64,14 +63,7 @@ def run_ranks(
         ]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        hung = processes.wait_or_stop(procs, timeout)
         errors = []
         for r in range(world_size):
             path = os.path.join(tmp, f"error_{r}.txt")

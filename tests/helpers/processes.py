@@ -121,6 +121,24 @@ def _run_rank(target: str, argv: list[str], env: dict[str, str], cwd: str, log: 
     os._exit(code)
 
 
+def wait_or_stop(procs: list, timeout: float, grace: float | None = None) -> list[int]:
+    """Wait for ``procs`` to end; those still running ``timeout`` seconds from now (with
+    ``grace``: or ``grace`` seconds after the first one failed) are killed. The indices of the
+    killed ones."""
+    deadline = time.monotonic() + timeout
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if grace is not None and any(p.exitcode not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + grace)
+            grace = None
+        time.sleep(0.05)
+    killed = [i for i, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    return killed
+
+
 def launch(
     nproc: int,
     target: str,
@@ -152,26 +170,12 @@ def launch(
             p = ctx.Process(target=_run_rank, args=(target, argv, rank_env, str(cwd), logs[rank]))
             p.start()
             procs.append(p)
-        deadline = time.monotonic() + timeout
-        status = None
-        while any(p.is_alive() for p in procs):
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed and status is None:
-                # The others get a moment to end on their own (a mistake in the config fails
-                # every rank, and rank 0 may be the last to print it); one blocked in a
-                # collective with the failed rank is stopped after that.
-                status = failed[0]
-                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-            if time.monotonic() > deadline:
-                status = status if status is not None else 124
-                break
-            time.sleep(0.05)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        if status is None:
-            status = next((p.exitcode for p in procs if p.exitcode != 0), 0)
+        # Once a rank fails, the others get a moment to end on their own (a mistake in the config fails every
+        # rank, and rank 0 may be the last to print it); one blocked in a collective with the
+        # failed rank is stopped after that.
+        killed = wait_or_stop(procs, timeout, grace=FAILURE_GRACE_S)
+        failed = [p.exitcode for r, p in enumerate(procs) if r not in killed and p.exitcode != 0]
+        status = failed[0] if failed else (124 if killed else 0)
         if status < 0:  # killed by a signal: as a shell reports it
             status = 128 - status
         out = "".join(Path(log).read_text(errors="replace") for log in logs if os.path.exists(log))
