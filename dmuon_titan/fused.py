@@ -80,10 +80,16 @@ def momentum_direction_into(
         out.copy_(buffer)
 
 
-def decay_and_update_(param: Tensor, update: Tensor, decay: float, step: float) -> None:
+def decay_and_update_(
+    param: Tensor, update: Tensor, decay: float | Tensor, step: float | Tensor
+) -> None:
     """``param ← param · decay − step · update`` (decoupled weight decay, then the step), in
     one pass when fused; eagerly as ``mul_`` then ``add_``. ``update`` may be strided (NS
-    returns tall matrices as a transposed view)."""
+    returns tall matrices as a transposed view). ``decay`` and ``step`` may be 0-d tensors
+    on ``param``'s device, read when the pass runs (a captured step's learning rate changes
+    between replays); eagerly the step is then a product of its own, subtracted: the same
+    values as the multiply-then-add of the Python-float path."""
+    on_device = isinstance(decay, Tensor)
     if param.ndim == 2 and _fusable(param, update, contiguous_others=False):
         rows, cols = param.shape
         grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
@@ -94,13 +100,17 @@ def decay_and_update_(param: Tensor, update: Tensor, decay: float, step: float) 
             cols,
             update.stride(0),
             update.stride(1),
-            float(decay),
-            float(step),
+            decay if on_device else float(decay),
+            step if on_device else float(step),
+            SCALARS_ON_DEVICE=on_device,
             TILE=_TILE,
         )
         return
     param.mul_(decay)
-    param.add_(update, alpha=-step)
+    if on_device:  # (a 0-d tensor would not promote a bf16 update: cast it first)
+        param.sub_(torch.mul(update.to(param.dtype), step))
+    else:
+        param.add_(update, alpha=-step)
 
 
 def momentum_directions_into(
@@ -206,6 +216,7 @@ if triton is not None:
         update_col_stride,
         decay,
         step,
+        SCALARS_ON_DEVICE: tl.constexpr,
         TILE: tl.constexpr,
     ):
         r = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -213,6 +224,9 @@ if triton is not None:
         mask = (r[:, None] < rows) & (c[None, :] < cols)
         param_offsets = r[:, None] * cols + c[None, :]
         update_offsets = r[:, None] * update_row_stride + c[None, :] * update_col_stride
+        if SCALARS_ON_DEVICE:  # pointers to 0-d tensors, read at run time
+            decay = tl.load(decay).to(tl.float32)
+            step = tl.load(step).to(tl.float32)
         param = tl.load(param_ptr + param_offsets, mask=mask).to(tl.float32)
         update = tl.load(update_ptr + update_offsets, mask=mask).to(tl.float32)
         param = param * decay - step * update

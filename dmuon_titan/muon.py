@@ -340,18 +340,23 @@ class Muon(torch.optim.Optimizer):
         scalars: StepScalars | None = None,
     ) -> None:
         """Momentum, NS and the update of the 2-D matrices ``todo``, chunk by chunk. With
-        ``scalars`` (a captured step) every chunk takes the grouped passes and the
-        lr-dependent factors come from those device scalars."""
+        ``scalars`` (a captured step) every matrix takes the fused passes one by one (in a
+        graph a launch costs the host nothing, and a fused pass moves a third of the foreach
+        passes' bytes) and the lr-dependent factors come from those device scalars."""
+        captured = scalars is not None
         for chunk in ns_chunks(todo, self.ns_batch_numel, self.ns_unbatched_numel):
-            grouped = scalars is not None or self._grouped(chunk, group)
-            out = self._orthogonalize(chunk, group, coefficients, grouped, timed=scalars is None)
-            if grouped:
-                self._grouped_update(chunk, out, group, scalars)
-                del out
-                continue
+            grouped = not captured and self._grouped(chunk, group)
+            out = self._orthogonalize(chunk, group, coefficients, grouped, timed=not captured)
             orthos = [out] if len(chunk) == 1 else out.unbind(0)
-            for p, ortho in zip(chunk, orthos, strict=True):
-                self._update_matrix(p, ortho, group)
+            if grouped:
+                self._grouped_update(chunk, out, group)
+            elif captured:
+                step = scalars.step(chunk[0].shape)
+                for p, ortho in zip(chunk, orthos, strict=True):
+                    fused.decay_and_update_(p.data, ortho, scalars.decay, step)
+            else:
+                for p, ortho in zip(chunk, orthos, strict=True):
+                    self._update_matrix(p, ortho, group)
             del orthos, out  # NS's output for the chunk: free it before the next chunk
 
     def _step_shared(
@@ -471,28 +476,16 @@ class Muon(torch.optim.Optimizer):
             )
 
     def _grouped_update(
-        self,
-        chunk: list[torch.Tensor],
-        orthos: torch.Tensor,
-        group: dict[str, Any],
-        scalars: StepScalars | None = None,
+        self, chunk: list[torch.Tensor], orthos: torch.Tensor, group: dict[str, Any]
     ) -> None:
         """:func:`update.apply_update` for every matrix of ``chunk`` as foreach ops; each
-        slice of the orthogonalized batch ``orthos`` (one matrix: the matrix) is brought to
-        the masters' dtype and layout by one copy (not one per matrix). With ``scalars``
-        the decay and step are device scalars: multiply, then add."""
-        if orthos.ndim == 2:
-            orthos = orthos.unsqueeze(0)
+        slice of the orthogonalized batch ``orthos`` is brought to the masters' dtype and
+        layout by one copy (not one per matrix)."""
         for part in self._slices(chunk):
             params = [chunk[i].data for i in part]
             steps = orthos[part.start : part.stop].to(
                 chunk[0].dtype, memory_format=torch.contiguous_format
             )
-            if scalars is not None:
-                torch._foreach_mul_(params, scalars.decay)
-                steps.mul_(scalars.neg_step(chunk[0].shape))
-                torch._foreach_add_(params, list(steps.unbind(0)))
-                continue
             update.apply_updates(
                 params,
                 list(steps.unbind(0)),

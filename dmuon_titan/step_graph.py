@@ -19,9 +19,10 @@ hyper-parameters baked into the graph with the capture's; on any difference the 
 captured again, and when that happens more than once in ``REPLAYS_PER_CAPTURE`` steps the
 graph is given up for good (eager steps from then on). The learning rate and weight decay
 are not baked in: they enter through device scalars refreshed before each replay (LR
-schedules keep working). The update ``p·decay − step·o``
-then runs as two foreach passes (multiply, add) rather than one fused multiply-add, which
-may round the last bit differently from the eager path.
+schedules keep working). In the graph each matrix's momentum and update run as fused
+passes of their own (``fused``): the launches cost the host nothing there, and the eager
+step's foreach passes over small matrices, which save launches, move three times the
+bytes. The two may round the last bit differently.
 
 With ``async_step`` a replay runs on a side stream and ``step()`` returns before it is done.
 What that buys is host time: torchtitan copies each batch to the GPU with a blocking copy,
@@ -63,24 +64,24 @@ REPLAYS_PER_CAPTURE = 20
 
 class StepScalars:
     """Device scalars the captured step reads for the lr-dependent factors: the decay
-    ``1 − lr·wd`` and, per matrix shape, ``−adjusted_lr``. Refreshed by kernel launches
-    (``fill_``), never by host-to-device copies that could race with the GPU."""
+    ``1 − lr·wd`` and, per matrix shape, the step ``adjusted_lr``. Refreshed by kernel
+    launches (``fill_``), never by host-to-device copies that could race with the GPU."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
         self.decay = torch.ones((), device=device, dtype=dtype)
-        self.neg_steps: dict[tuple[int, ...], torch.Tensor] = {}
+        self.steps: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def neg_step(self, shape) -> torch.Tensor:
+    def step(self, shape) -> torch.Tensor:
         key = tuple(shape)
-        if key not in self.neg_steps:
-            self.neg_steps[key] = torch.zeros((), device=self.device, dtype=self.dtype)
-        return self.neg_steps[key]
+        if key not in self.steps:
+            self.steps[key] = torch.zeros((), device=self.device, dtype=self.dtype)
+        return self.steps[key]
 
     def refresh(self, group: dict[str, Any]) -> None:
         self.decay.fill_(1 - group["lr"] * group["weight_decay"])
-        for shape, value in self.neg_steps.items():
-            value.fill_(-update.adjusted_lr(group["lr"], group["adjust_lr_fn"], shape))
+        for shape, value in self.steps.items():
+            value.fill_(update.adjusted_lr(group["lr"], group["adjust_lr_fn"], shape))
 
 
 class MuonStepGraph:
@@ -137,7 +138,7 @@ class MuonStepGraph:
             if self.scalars is None:
                 self.scalars = StepScalars(params[0].device, params[0].dtype)
             for p in params:
-                self.scalars.neg_step(p.shape)
+                self.scalars.step(p.shape)
         self.scalars.refresh(group)
         if not self.warmed:
             body(self.scalars)
@@ -219,7 +220,7 @@ class MuonStepGraph:
         not handed out again before the side stream's work queued at that time is done."""
         stream = self._side_stream()
         tensors = [p.data for p in params] + [p.grad for p in params] + list(buffers)
-        tensors += [self.scalars.decay, *self.scalars.neg_steps.values()]
+        tensors += [self.scalars.decay, *self.scalars.steps.values()]
         for tensor in tensors:
             tensor.record_stream(stream)
 

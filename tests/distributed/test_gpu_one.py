@@ -43,6 +43,7 @@ def graph_and_eager(rank: int, world_size: int, configs: list[RunConfig]) -> lis
                 "captures": record.captures,
                 "replays": record.replays,
                 "disabled": record.disabled,
+                "held": len(record.params),
             }
         )
     return out
@@ -63,6 +64,42 @@ def test_captured_step_equals_the_reference_and_the_eager_step():
     reference = train_reference(exact)
     assert max(relative_errors(graph["weights"], reference, init).values()) <= 1e-10
     assert max(relative_errors(graph["weights"], eager["weights"], init).values()) <= 1e-12
+
+
+def captured_with_counted_updates(rank: int, world_size: int, configs: list[RunConfig]) -> list:
+    """:func:`graph_and_eager`, counting the fused update kernel's launches by whether they
+    read their scalars from device memory (the captured step's) or take Python floats."""
+    from dmuon_titan import fused
+
+    kernel, launches = fused._update_kernel, {True: 0, False: 0}
+
+    class Counted:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches[kwargs["SCALARS_ON_DEVICE"]] += 1
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    with mock.patch.object(fused, "_update_kernel", Counted()):
+        runs = graph_and_eager(rank, world_size, configs)
+    return [runs, launches]
+
+
+def test_captured_step_takes_the_fused_passes_in_float32():
+    """float32 masters and NS (the kernels' dtypes; float64 above runs eagerly): the captured
+    step updates every matrix by the fused kernel reading lr and decay from device scalars
+    (the first, eager step and the capture: two launches per matrix), and its weights equal
+    the eager step's within float32 rounding (the eager step's foreach passes round the
+    update in two steps, the kernel in one)."""
+    cfg = RunConfig(param_dtype=torch.float32, ns_dtype=torch.float32, device="cuda")
+    (graph, eager), launches = run_ranks(
+        captured_with_counted_updates, 1, [cfg, with_(cfg, cuda_graph=False)], backend="nccl"
+    )[0]
+    assert graph["captures"] == 1 and graph["replays"] == cfg.steps - 1
+    assert graph["held"] > 0 and launches[True] == 2 * graph["held"], (graph["held"], launches)
+    init = initial_state(cfg)
+    assert max(relative_errors(graph["weights"], eager["weights"], init).values()) <= 1e-4
 
 
 #: GPU cycles each gradient zeroing is held back by (≈ 100 ms), and each replay by twice that:

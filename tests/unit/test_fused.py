@@ -39,6 +39,22 @@ def test_eager_update_is_mul_then_add():
     assert torch.equal(param, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_eager_update_by_device_scalars(dtype):
+    """The captured step's form (decay and step as 0-d tensors, read at run time): multiply,
+    then subtract the step's own product, in the parameter's dtype (a bf16 update is not
+    rounded to bf16 with the step); within one rounding of the Python-float path, whose
+    ``add_`` may fuse the product."""
+    param, _ = _tensors((37, 53), "cpu")
+    update = torch.randn(53, 37).to(dtype).mT
+    expected = param.clone().mul_(0.999).sub_(update.float() * 0.0213)
+    by_floats = param.clone()
+    fused.decay_and_update_(by_floats, update, 0.999, 0.0213)
+    fused.decay_and_update_(param, update, torch.tensor(0.999), torch.tensor(0.0213))
+    assert torch.equal(param, expected)
+    torch.testing.assert_close(param, by_floats, rtol=2e-7, atol=1e-8)
+
+
 @cuda
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -79,7 +95,12 @@ def test_update_kernel_matches_eager(transposed, dtype, param_dtype):
     )
     update = (raw.mT if transposed else raw).to(dtype)
     expected = param.clone().mul_(0.998).add_(update, alpha=-0.03)
+    by_device_scalars = param.clone()
     fused.decay_and_update_(param, update, 0.998, 0.03)
+    scalars = [torch.tensor(v, device="cuda", dtype=param_dtype) for v in (0.998, 0.03)]
+    fused.decay_and_update_(by_device_scalars, update, *scalars)
+    if param_dtype == torch.float32:  # the same kernel, its scalars read from memory
+        assert torch.equal(by_device_scalars, param)
     if param_dtype == torch.float32:
         torch.testing.assert_close(param, expected, rtol=2e-7, atol=2e-7)
     else:  # one rounding (fused) vs two (mul_ then add_): the fused result is the nearer
@@ -129,9 +150,21 @@ for transposed in (False, True):
     expected = param.clone().mul_(0.99).add_(update, alpha=-0.1)
     grid = (triton.cdiv(70, fused._TILE), triton.cdiv(130, fused._TILE))
     fused._update_kernel[grid](
-        param, update, 70, 130, update.stride(0), update.stride(1), 0.99, 0.1, TILE=fused._TILE
+        param, update, 70, 130, update.stride(0), update.stride(1), 0.99, 0.1,
+        SCALARS_ON_DEVICE=False, TILE=fused._TILE,
     )
     torch.testing.assert_close(param, expected, rtol=2e-7, atol=2e-7)
+    by_device_scalars = expected.clone()
+    fused._update_kernel[grid](
+        by_device_scalars, update, 70, 130, update.stride(0), update.stride(1),
+        torch.tensor(0.99), torch.tensor(0.1), SCALARS_ON_DEVICE=True, TILE=fused._TILE,
+    )
+    param_again = expected.clone()
+    fused._update_kernel[grid](
+        param_again, update, 70, 130, update.stride(0), update.stride(1), 0.99, 0.1,
+        SCALARS_ON_DEVICE=False, TILE=fused._TILE,
+    )
+    assert torch.equal(by_device_scalars, param_again)
 x = torch.randn(3, 40, 70)
 norms = torch.linalg.matrix_norm(x, keepdim=True)
 expected = x / norms
