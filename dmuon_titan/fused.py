@@ -87,8 +87,8 @@ def decay_and_update_(
     one pass when fused; eagerly as ``mul_`` then ``add_``. ``update`` may be strided (NS
     returns tall matrices as a transposed view). ``decay`` and ``step`` may be 0-d tensors
     on ``param``'s device, read when the pass runs (a captured step's learning rate changes
-    between replays); eagerly the step is then a product of its own, subtracted: the same
-    values as the multiply-then-add of the Python-float path."""
+    between replays); eagerly the step is then a product of its own, subtracted, where the
+    Python-float path's ``add_`` may fuse it (the last bit may differ)."""
     on_device = isinstance(decay, Tensor)
     if param.ndim == 2 and _fusable(param, update, contiguous_others=False):
         rows, cols = param.shape
