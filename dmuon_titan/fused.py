@@ -58,7 +58,26 @@ def momentum_direction_into(
 ) -> None:
     """``buffer ← lerp(buffer, grad, 1 − momentum)``; ``out ← lerp(grad, buffer, momentum)``
     (Nesterov) or ``buffer``, rounded once to ``out``'s dtype. ``torch.optim.Muon``'s momentum
-    step, reading grad and buffer once and writing buffer and the NS input once."""
+    step, reading grad and buffer once and writing buffer and the NS input once. ``out`` may
+    be a strided 2-D view (a tall matrix's NS input laid out wide, so that NS's first product
+    needs no transposing copy)."""
+    if buffer.ndim == 2 and not out.is_contiguous() and _fusable(buffer, grad):
+        rows, cols = buffer.shape
+        grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
+        _momentum_kernel_2d[grid](
+            grad,
+            buffer,
+            out,
+            rows,
+            cols,
+            out.stride(0),
+            out.stride(1),
+            float(1 - momentum),
+            float(momentum),
+            NESTEROV=nesterov,
+            TILE=_TILE,
+        )
+        return
     if _fusable(buffer, grad, out):
         grid = (triton.cdiv(grad.numel(), _BLOCK),)
         # Both lerp weights come from Python, as torch.lerp receives them.
@@ -205,6 +224,38 @@ if triton is not None:
         else:
             direction = buf
         tl.store(out_ptr + offsets, direction.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _momentum_kernel_2d(
+        grad_ptr,
+        buf_ptr,
+        out_ptr,
+        rows,
+        cols,
+        out_row_stride,
+        out_col_stride,
+        buffer_weight,
+        direction_weight,
+        NESTEROV: tl.constexpr,
+        TILE: tl.constexpr,
+    ):
+        # _momentum_kernel by 2-D tiles, for an output of other strides (a transposed view).
+        r = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+        c = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        offsets = r[:, None] * cols + c[None, :]
+        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+        buf = tl.load(buf_ptr + offsets, mask=mask).to(tl.float32)
+        buf = _lerp(buf, grad, buffer_weight)
+        buf = buf.to(buf_ptr.dtype.element_ty)
+        tl.store(buf_ptr + offsets, buf, mask=mask)
+        buf = buf.to(tl.float32)
+        if NESTEROV:
+            direction = _lerp(grad, buf, direction_weight)
+        else:
+            direction = buf
+        out_offsets = r[:, None] * out_row_stride + c[None, :] * out_col_stride
+        tl.store(out_ptr + out_offsets, direction.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _update_kernel(

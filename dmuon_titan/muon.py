@@ -427,11 +427,18 @@ class Muon(torch.optim.Optimizer):
         args = (coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], self.ns_algorithm)
         shape = chunk[0].shape  # the whole matrix's (also for a DTensor)
         single = len(chunk) == 1
+        # A tall matrix's NS runs on its transpose: matrix by matrix, its direction is
+        # written transposed (a wide buffer seen tall), so that NS's first product needs no
+        # transposing copy (docs/benchmarks.md, ninth session). The foreach passes keep the
+        # tall layout (their copy into a strided view would be that copy again).
+        rows, cols = shape[-2], shape[-1]
+        wide = not grouped and rows > cols
         batch = torch.empty(
-            shape if single else (len(chunk), *shape),
+            (*(() if single else (len(chunk),)), *((cols, rows) if wide else (rows, cols))),
             dtype=group["ns_dtype"],
             device=chunk[0].device,
         )
+        batch = batch.mT if wide else batch
         if grouped:
             self._grouped_directions(chunk, group, batch.unsqueeze(0) if single else batch)
         else:

@@ -81,6 +81,23 @@ def test_momentum_kernel_matches_eager(nesterov, dtype, momentum, param_dtype):
 
 
 @cuda
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_momentum_kernel_into_a_transposed_view_is_the_contiguous_one(nesterov, param_dtype):
+    """The tiled pass for a strided output (a tall matrix's NS input laid out wide) writes
+    what the contiguous pass writes, bit for bit, and updates the buffer alike."""
+    grad, buffer = _tensors((1031, 517), "cuda")  # tall, not tile multiples
+    grad, buffer = grad.to(param_dtype), buffer.to(param_dtype)
+    ref_buffer = buffer.clone()
+    expected = torch.empty(grad.shape, dtype=torch.bfloat16, device="cuda")
+    fused.momentum_direction_into(grad, ref_buffer, expected, 0.95, nesterov)
+    wide = torch.empty(517, 1031, dtype=torch.bfloat16, device="cuda")
+    fused.momentum_direction_into(grad, buffer, wide.mT, 0.95, nesterov)
+    assert torch.equal(buffer, ref_buffer)
+    assert torch.equal(wide.mT, expected)
+
+
+@cuda
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
@@ -143,6 +160,17 @@ for nesterov in (True, False):
     # within one bf16 step: the interpreter rounds bf16 stores toward zero (the GPU rounds
     # to nearest; test_momentum_kernel_matches_eager checks that on CUDA)
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-2, atol=1e-6)
+
+for nesterov in (True, False):  # the tiled pass, into a transposed view
+    grad, buf = torch.randn(70, 130), torch.randn(70, 130)
+    ref_buf = buf.clone().lerp_(grad, 1 - 0.95)
+    ref_out = (grad.lerp(ref_buf, 0.95) if nesterov else ref_buf).bfloat16()
+    wide = torch.empty(130, 70, dtype=torch.bfloat16)
+    fused._momentum_kernel_2d[(triton.cdiv(70, fused._TILE), triton.cdiv(130, fused._TILE))](
+        grad, buf, wide.mT, 70, 130, 1, 70, 1 - 0.95, 0.95, NESTEROV=nesterov, TILE=fused._TILE
+    )
+    torch.testing.assert_close(buf, ref_buf, rtol=2e-7, atol=1e-7)
+    torch.testing.assert_close(wide.mT.float(), ref_out.float(), rtol=1e-2, atol=1e-6)
 
 for transposed in (False, True):
     param = torch.randn(70, 130)
