@@ -201,6 +201,28 @@ if triton is not None:
         )
 
     @triton.jit
+    def _tile(rows, cols, TILE: tl.constexpr):
+        # This program's TILE×TILE tile of a rows×cols matrix: its rows, columns and mask.
+        r = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+        c = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+        return r, c, (r[:, None] < rows) & (c[None, :] < cols)
+
+    @triton.jit
+    def _momentum_step(
+        grad_ptr, buf_ptr, offsets, mask, buffer_weight, direction_weight, NESTEROV: tl.constexpr
+    ):
+        # The buffer's lerp, stored; the direction (fp32) from the stored buffer.
+        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+        buf = tl.load(buf_ptr + offsets, mask=mask).to(tl.float32)
+        buf = _lerp(buf, grad, buffer_weight)
+        buf = buf.to(buf_ptr.dtype.element_ty)
+        tl.store(buf_ptr + offsets, buf, mask=mask)
+        buf = buf.to(tl.float32)  # the stored value, as the eager path reads it back
+        if NESTEROV:
+            return _lerp(grad, buf, direction_weight)
+        return buf
+
+    @triton.jit
     def _momentum_kernel(
         grad_ptr,
         buf_ptr,
@@ -213,16 +235,9 @@ if triton is not None:
     ):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
-        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-        buf = tl.load(buf_ptr + offsets, mask=mask).to(tl.float32)
-        buf = _lerp(buf, grad, buffer_weight)
-        buf = buf.to(buf_ptr.dtype.element_ty)
-        tl.store(buf_ptr + offsets, buf, mask=mask)
-        buf = buf.to(tl.float32)  # the stored value, as the eager path reads it back
-        if NESTEROV:
-            direction = _lerp(grad, buf, direction_weight)
-        else:
-            direction = buf
+        direction = _momentum_step(
+            grad_ptr, buf_ptr, offsets, mask, buffer_weight, direction_weight, NESTEROV
+        )
         tl.store(out_ptr + offsets, direction.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -240,20 +255,16 @@ if triton is not None:
         TILE: tl.constexpr,
     ):
         # _momentum_kernel by 2-D tiles, for an output of other strides (a transposed view).
-        r = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-        c = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
-        mask = (r[:, None] < rows) & (c[None, :] < cols)
-        offsets = r[:, None] * cols + c[None, :]
-        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-        buf = tl.load(buf_ptr + offsets, mask=mask).to(tl.float32)
-        buf = _lerp(buf, grad, buffer_weight)
-        buf = buf.to(buf_ptr.dtype.element_ty)
-        tl.store(buf_ptr + offsets, buf, mask=mask)
-        buf = buf.to(tl.float32)
-        if NESTEROV:
-            direction = _lerp(grad, buf, direction_weight)
-        else:
-            direction = buf
+        r, c, mask = _tile(rows, cols, TILE)
+        direction = _momentum_step(
+            grad_ptr,
+            buf_ptr,
+            r[:, None] * cols + c[None, :],
+            mask,
+            buffer_weight,
+            direction_weight,
+            NESTEROV,
+        )
         out_offsets = r[:, None] * out_row_stride + c[None, :] * out_col_stride
         tl.store(out_ptr + out_offsets, direction.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -270,9 +281,7 @@ if triton is not None:
         SCALARS_ON_DEVICE: tl.constexpr,
         TILE: tl.constexpr,
     ):
-        r = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-        c = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
-        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        r, c, mask = _tile(rows, cols, TILE)
         param_offsets = r[:, None] * cols + c[None, :]
         update_offsets = r[:, None] * update_row_stride + c[None, :] * update_col_stride
         if SCALARS_ON_DEVICE:  # pointers to 0-d tensors, read at run time
