@@ -61,7 +61,12 @@ def momentum_direction_into(
     step, reading grad and buffer once and writing buffer and the NS input once. ``out`` may
     be a strided 2-D view (a tall matrix's NS input laid out wide, so that NS's first product
     needs no transposing copy)."""
-    if buffer.ndim == 2 and not out.is_contiguous() and _fusable(buffer, grad):
+    if (
+        buffer.ndim == 2
+        and not out.is_contiguous()
+        and _fusable(buffer, grad)
+        and _fusable(buffer, out, contiguous_others=False)  # (its device, shape and dtype)
+    ):
         rows, cols = buffer.shape
         grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
         _momentum_kernel_2d[grid](
