@@ -28,6 +28,13 @@ except ImportError:  # pragma: no cover - depends on the installation
 _BLOCK = 2048
 _TILE = 64
 
+#: Triton's element types of the kernels' dtypes (a gradient read through its address)
+_TL_DTYPES = (
+    {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    if triton is not None
+    else {}
+)
+
 
 def enabled() -> bool:
     """Whether the Triton kernels may run at all (Triton importable, not disabled)."""
@@ -53,14 +60,44 @@ def _fusable(first: Tensor, *others: Tensor, contiguous_others: bool = True) -> 
     )
 
 
+def momentum_fusable(grad: Tensor, buffer: Tensor) -> bool:
+    """Whether :func:`momentum_direction_into` runs ``grad`` and ``buffer`` by a kernel (and
+    so may read the gradient through ``grad_address``)."""
+    return _fusable(buffer, grad)
+
+
 def momentum_direction_into(
-    grad: Tensor, buffer: Tensor, out: Tensor, momentum: float, nesterov: bool
+    grad: Tensor,
+    buffer: Tensor,
+    out: Tensor,
+    momentum: float,
+    nesterov: bool,
+    grad_address: Tensor | None = None,
 ) -> None:
     """``buffer ← lerp(buffer, grad, 1 − momentum)``; ``out ← lerp(grad, buffer, momentum)``
     (Nesterov) or ``buffer``, rounded once to ``out``'s dtype. ``torch.optim.Muon``'s momentum
     step, reading grad and buffer once and writing buffer and the NS input once. ``out`` may
     be a strided 2-D view (a tall matrix's NS input laid out wide, so that NS's first product
-    needs no transposing copy)."""
+    needs no transposing copy).
+
+    ``grad_address``: a 0-d int64 tensor on ``grad``'s device holding the address the kernel
+    reads the gradient from when it runs, not ``grad``'s own (a captured step's gradients are
+    new tensors every backward; ``grad`` then gives only shape, dtype and layout). The eager
+    path reads ``grad``, which must then be the gradient itself; under CUDA-graph capture it
+    is an error (the capture would bake in ``grad``'s address)."""
+    by_address = grad_address is not None
+    if (
+        by_address
+        and grad.is_cuda
+        and not momentum_fusable(grad, buffer)
+        and torch.cuda.is_current_stream_capturing()
+    ):
+        raise RuntimeError(
+            "momentum_direction_into(grad_address=...) under CUDA-graph capture needs the "
+            "fused kernel (Triton, CUDA, contiguous float32/bfloat16/float16 grad and buffer)"
+        )
+    grad_arg = grad_address if by_address else grad
+    grad_type = _TL_DTYPES.get(grad.dtype) if by_address else None
     if (
         buffer.ndim == 2
         and not out.is_contiguous()
@@ -70,7 +107,7 @@ def momentum_direction_into(
         rows, cols = buffer.shape
         grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
         _momentum_kernel_2d[grid](
-            grad,
+            grad_arg,
             buffer,
             out,
             rows,
@@ -80,6 +117,8 @@ def momentum_direction_into(
             float(1 - momentum),
             float(momentum),
             NESTEROV=nesterov,
+            BY_ADDRESS=by_address,
+            GRAD_TYPE=grad_type,
             TILE=_TILE,
         )
         return
@@ -87,13 +126,15 @@ def momentum_direction_into(
         grid = (triton.cdiv(grad.numel(), _BLOCK),)
         # Both lerp weights come from Python, as torch.lerp receives them.
         _momentum_kernel[grid](
-            grad,
+            grad_arg,
             buffer,
             out,
             grad.numel(),
             float(1 - momentum),
             float(momentum),
             NESTEROV=nesterov,
+            BY_ADDRESS=by_address,
+            GRAD_TYPE=grad_type,
             BLOCK=_BLOCK,
         )
         return
@@ -228,6 +269,15 @@ if triton is not None:
         return buf
 
     @triton.jit
+    def _gradient(grad_ptr, BY_ADDRESS: tl.constexpr, GRAD_TYPE: tl.constexpr):
+        # BY_ADDRESS: grad_ptr points at an int64 slot holding the address of the gradient
+        # (of GRAD_TYPE), read now: a captured step's gradients move between replays. (One
+        # return: the compiler visits what follows a return in a constexpr branch.)
+        if BY_ADDRESS:
+            grad_ptr = tl.load(grad_ptr).to(tl.pointer_type(GRAD_TYPE))
+        return grad_ptr
+
+    @triton.jit
     def _momentum_kernel(
         grad_ptr,
         buf_ptr,
@@ -236,8 +286,11 @@ if triton is not None:
         buffer_weight,
         direction_weight,
         NESTEROV: tl.constexpr,
+        BY_ADDRESS: tl.constexpr,
+        GRAD_TYPE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        grad_ptr = _gradient(grad_ptr, BY_ADDRESS, GRAD_TYPE)
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
         direction = _momentum_step(
@@ -257,9 +310,12 @@ if triton is not None:
         buffer_weight,
         direction_weight,
         NESTEROV: tl.constexpr,
+        BY_ADDRESS: tl.constexpr,
+        GRAD_TYPE: tl.constexpr,
         TILE: tl.constexpr,
     ):
         # _momentum_kernel by 2-D tiles, for an output of other strides (a transposed view).
+        grad_ptr = _gradient(grad_ptr, BY_ADDRESS, GRAD_TYPE)
         r, c, mask = _tile(rows, cols, TILE)
         direction = _momentum_step(
             grad_ptr,

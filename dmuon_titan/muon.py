@@ -73,13 +73,14 @@ class Muon(torch.optim.Optimizer):
             the matrices' step as one captured CUDA graph after a first eager step
             (:mod:`dmuon_titan.step_graph`): a small model's step is host-bound and the
             Muon step launches far more kernels than fused AdamW. The step's timings then
-            report no separate ``ns`` phase. ``False``: always eager.
+            report no separate ``ns`` phase. Needs the fused momentum kernel (Triton; float32,
+            bfloat16 or float16 masters): otherwise the step is eager. ``False``: always eager.
         async_step: with the captured step, replay it on a side stream and return at once
             (:mod:`dmuon_titan.step_graph`): the host goes on to the next step while the GPU
             runs Newton–Schulz (a blocking batch copy, as torchtitan's, waits for the compute
-            stream alone). The model's next forward, the accumulation of the next gradients,
-            ``zero_grad``, ``state_dict()`` (the model's and this optimizer's), DMuon's
-            state-dict functions and ``wait_all_replicate_broadcasts`` wait for it on the GPU.
+            stream alone). The model's next forward, ``zero_grad(set_to_none=False)``,
+            ``state_dict()`` (the model's and this optimizer's), DMuon's state-dict functions
+            and ``wait_all_replicate_broadcasts`` wait for it on the GPU.
             Anything else that reads the matrices between ``step()`` and the next forward
             (an EMA of the weights, a norm logged) must call
             ``wait_all_replicate_broadcasts(model)`` first, hence off by default (the
@@ -225,35 +226,12 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As ``torch.optim.Optimizer.zero_grad``, except for the matrices a held CUDA graph
-        steps (``cuda_graph``): their gradients are zeroed in place whatever
-        ``set_to_none`` says, so that the next backward accumulates where the graph reads
-        (one that gets no gradient before the step is skipped all the same, see
-        :mod:`dmuon_titan.step_graph`); with ``async_step`` on the step's stream, after the
-        step that reads them."""
-        graph = self.step_graph
-        kept = {id(p) for p in graph.params}
-        if not kept:
-            return super().zero_grad(set_to_none)
-        held = []  # zeroed by one foreach pass (plain tensors of the direct path)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if set_to_none and id(p) not in kept:
-                    p.grad = None
-                    continue
-                if p.grad.grad_fn is not None:  # (torch's zero_grad does the same)
-                    p.grad.detach_()
-                else:
-                    p.grad.requires_grad_(False)
-                if id(p) in kept:
-                    held.append(p.grad)
-                else:
-                    p.grad.zero_()
-        if held:
-            graph.zero_held(held)
-        graph.expect_gradients(fresh=set_to_none)
+        """As ``torch.optim.Optimizer.zero_grad``; gradients zeroed in place
+        (``set_to_none=False``) first wait, on the GPU, for a captured step still in flight on
+        its own stream (``async_step``), which reads them."""
+        if not set_to_none:
+            self.step_graph.wait()
+        super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         self.step_graph.wait()  # (the tensors are read after this returns)
@@ -295,7 +273,6 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         coefficients = newton_schulz.normalize_coefficients(group["ns_coefficients"])
-        self.step_graph.drop_missing_gradients()
         stepped = self._stepped_ids()
         todo = [p for p in group["params"] if p.grad is not None and id(p) in stepped]
         for p in todo:
@@ -319,7 +296,9 @@ class Muon(torch.optim.Optimizer):
 
     def _graph_eligible(self, group: dict[str, Any], todo: list[torch.Tensor]) -> bool:
         """Whether the matrices' step may run as a CUDA graph (see ``cuda_graph``): the
-        direct path on a GPU, every matrix a plain tensor of one dtype, not float16 NS."""
+        direct path on a GPU, every matrix a plain tensor of one dtype, not float16 NS, and
+        every momentum pass a kernel that reads its gradient through an address slot
+        (:mod:`dmuon_titan.step_graph`): Triton, contiguous kernel dtypes (not float64)."""
         return (
             self.options.cuda_graph
             and bool(todo)
@@ -329,6 +308,7 @@ class Muon(torch.optim.Optimizer):
             and group["ns_dtype"] != torch.float16
             and len({p.dtype for p in todo}) == 1
             and all(type(p.grad) is torch.Tensor and type(p.data) is torch.Tensor for p in todo)
+            and all(fused.momentum_fusable(p.grad, p) for p in todo)
             and not torch.cuda.is_current_stream_capturing()
         )
 
@@ -346,7 +326,7 @@ class Muon(torch.optim.Optimizer):
         captured = scalars is not None
         for chunk in ns_chunks(todo, self.ns_batch_numel, self.ns_unbatched_numel):
             grouped = not captured and self._grouped(chunk, group)
-            out = self._orthogonalize(chunk, group, coefficients, grouped, timed=not captured)
+            out = self._orthogonalize(chunk, group, coefficients, grouped, scalars)
             orthos = [out] if len(chunk) == 1 else out.unbind(0)
             if grouped:
                 self._grouped_update(chunk, out, group)
@@ -418,12 +398,13 @@ class Muon(torch.optim.Optimizer):
         group: dict[str, Any],
         coefficients,
         grouped: bool,
-        timed: bool = True,
+        scalars: StepScalars | None = None,
     ) -> torch.Tensor:
         """Momentum step + NS of one chunk of same-shape matrices: the orthogonalized batch
         (``[len(chunk), *shape]``; one matrix alone for a chunk of one). The directions are
         written straight into one NS-dtype buffer, which NS then uses as its own scratch: no
-        full-precision direction is ever materialized."""
+        full-precision direction is ever materialized. ``scalars``: a captured step's (the
+        gradients read through their slots; no timing events)."""
         args = (coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], self.ns_algorithm)
         shape = chunk[0].shape  # the whole matrix's (also for a DTensor)
         single = len(chunk) == 1
@@ -443,8 +424,10 @@ class Muon(torch.optim.Optimizer):
             self._grouped_directions(chunk, group, batch.unsqueeze(0) if single else batch)
         else:
             for i, p in enumerate(chunk):
-                self._write_direction(p, group, batch if single else batch[i])
-        if timed:  # (no events inside a captured graph)
+                slot = None if scalars is None else scalars.gradient_slot(p)
+                self._write_direction(p, group, batch if single else batch[i], slot)
+        timed = scalars is None  # (no events inside a captured graph)
+        if timed:
             self.timer.start("ns")
         orthos = newton_schulz.orthogonalize(batch, *args, overwrite_input=True)
         if timed:
@@ -501,16 +484,28 @@ class Muon(torch.optim.Optimizer):
                 adjust_lr_fn=group["adjust_lr_fn"],
             )
 
-    def _write_direction(self, p: torch.Tensor, group: dict[str, Any], out: torch.Tensor) -> None:
+    def _write_direction(
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        out: torch.Tensor,
+        grad_address: torch.Tensor | None = None,
+    ) -> None:
         """Momentum step for ``p``; its whole direction, cast, into ``out`` (one fused pass on
         a GPU; eagerly, the cast happens in lerp's store, rounding once as a copy would). For
-        a float16 ``out`` the direction is normalized first, in full precision."""
+        a float16 ``out`` the direction is normalized first, in full precision.
+        ``grad_address``: see :func:`fused.momentum_direction_into`."""
         if out.dtype == torch.float16 and p.grad.dtype != torch.float16:
             # float16's range: normalize in full precision first.
             newton_schulz.normalize_into(self._direction(p, group), out, group["eps"])
             return
         fused.momentum_direction_into(
-            p.grad, self._momentum_buffer(p), out, group["momentum"], group["nesterov"]
+            p.grad,
+            self._momentum_buffer(p),
+            out,
+            group["momentum"],
+            group["nesterov"],
+            grad_address,
         )
 
     def _momentum_buffer(self, p: torch.Tensor) -> torch.Tensor:

@@ -5,23 +5,28 @@ kernels, and the Muon step launches over a hundred (momentum, Newton–Schulz, u
 same-shape chunk) where fused AdamW launches about ten. Captured once, the whole Muon step
 is one graph launch, whatever its number of kernels.
 
-What a replay reads and writes must stay where it was at capture: the masters, their
-gradients, the momentum buffers. Torch allocates gradients anew each backward after
-``zero_grad()``, and where they land depends on everything else allocated meanwhile (a
-validation pass, a second model): so while a graph is held, ``Muon.zero_grad`` zeroes the
-captured matrices' gradients in place instead of dropping them (one foreach pass), and
-backward accumulates into the same tensors. A matrix that then gets no gradient (unused in
-that step, or frozen) must still be skipped as torch.optim skips a ``None`` gradient: a
-post-accumulate-grad hook on each captured matrix records which ones got one, and the step
-drops the others' zeroed gradients first (the matrices then differ from the capture's:
-captured again, or eager). Each step compares those addresses and the
-hyper-parameters baked into the graph with the capture's; on any difference the step is
-captured again, and when that happens more than once in ``REPLAYS_PER_CAPTURE`` steps the
-graph is given up for good (eager steps from then on). The learning rate and weight decay
-are not baked in: they enter through device scalars refreshed before each replay (LR
-schedules keep working). In the graph each matrix's momentum and update run as fused
-passes of their own (``fused``): the launches cost the host nothing there, and the eager
-step's foreach passes over small matrices, which save launches, move three times the
+What a replay reads and writes must stay where it was at capture: the masters and the
+momentum buffers do. The gradients do not: torch allocates them anew each backward after
+``zero_grad()``, and where they land depends on everything else allocated meanwhile. So the
+graph does not read them where they were at capture. Each matrix's momentum pass is a fused
+kernel (``fused``) that loads its gradient's address from a slot of a device table when it
+runs, and before each replay the table is pointed at the current gradients (one small copy,
+only when an address changed). ``zero_grad`` is torch's: gradients are dropped
+(``set_to_none``), and backward hands over new ones without the read-modify-write of
+accumulating into zeroed tensors (16 bytes per parameter, and the gradients no longer held
+through the forward: docs/benchmarks.md, tenth session). Only a step whose every matrix takes
+that kernel is captured (CUDA, Triton, contiguous float32/bfloat16/float16 gradients);
+others step eagerly.
+
+Each step compares the masters', buffers' and gradients' shapes, dtypes and (for masters and
+buffers) addresses, and the hyper-parameters baked into the graph, with the capture's; on any
+difference the step is captured again (a matrix without a gradient is left out, as
+torch.optim skips it, so the set changes), and when that happens more than once in
+``REPLAYS_PER_CAPTURE`` steps the graph is given up for good (eager steps from then on). The
+learning rate and weight decay are not baked in: they enter through device scalars refreshed
+before each replay (LR schedules keep working). In the graph each matrix's momentum and
+update run as fused passes of their own: the launches cost the host nothing there, and the
+eager step's foreach passes over small matrices, which save launches, move three times the
 bytes. The two may round the last bit differently.
 
 With ``async_step`` a replay runs on a side stream and ``step()`` returns before it is done.
@@ -31,20 +36,18 @@ host until Newton–Schulz is over and only then lets it queue the next forward.
 stream the step overlaps the host's work on the next step. What reads or writes what the
 replay touches makes its stream wait for the replay's event on the GPU (``wait``): the
 model's next forward (every boundary, and the root), ``state_dict()``/``load_state_dict()``
-of the model and of the optimizer, DMuon's state-dict functions and
-``wait_all_replicate_broadcasts`` (torchtitan's checkpoint save also waits on the host, for
-DCP may stage on a stream of its own). ``zero_grad`` zeroes the held gradients on the side
-stream, after the replay that reads them, and a hook on each held matrix makes the first
-gradient accumulated after that wait for it (a ``zero_grad`` between forward and backward).
-The allocator is told that the side stream uses the tensors the graph touches
-(``record_stream``), so memory freed meanwhile is not handed out under it. Same kernels, same
-inputs: the results are the current-stream replay's, bit for bit.
+of the model and of the optimizer, DMuon's state-dict functions,
+``wait_all_replicate_broadcasts``, and a ``zero_grad`` that zeroes in place (torchtitan's
+checkpoint save also waits on the host, for DCP may stage on a stream of its own). The
+allocator is told that the side stream uses the tensors the graph touches, and each replay's
+gradients (``record_stream``), so memory freed meanwhile (a ``zero_grad`` right after the
+step) is not handed out under it. Same kernels, same inputs: the results are the
+current-stream replay's, bit for bit.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -63,14 +66,19 @@ REPLAYS_PER_CAPTURE = 20
 
 
 class StepScalars:
-    """Device scalars the captured step reads for the lr-dependent factors: the decay
-    ``1 − lr·wd`` and, per matrix shape, the step ``adjusted_lr``. Refreshed by kernel
-    launches (``fill_``), never by host-to-device copies that could race with the GPU."""
+    """Device values the captured step reads when it runs: the lr-dependent factors (the
+    decay ``1 − lr·wd`` and, per matrix shape, the step ``adjusted_lr``), refreshed by kernel
+    launches (``fill_``), and the table of the gradients' addresses (:meth:`point_at`)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
         self.decay = torch.ones((), device=device, dtype=dtype)
         self.steps: dict[tuple[int, ...], torch.Tensor] = {}
+        #: one int64 slot per stepped matrix (in the order :meth:`point_at` got them): the
+        #: address of its gradient, which the momentum kernel loads when it runs
+        self.gradients = torch.zeros(0, dtype=torch.int64, device=device)
+        self._slots: dict[int, torch.Tensor] = {}  # id(matrix) → its 0-d slot
+        self._addresses: list[int] = []  # what the table holds
 
     def step(self, shape) -> torch.Tensor:
         key = tuple(shape)
@@ -83,6 +91,30 @@ class StepScalars:
         for shape, value in self.steps.items():
             value.fill_(update.adjusted_lr(group["lr"], group["adjust_lr_fn"], shape))
 
+    def gradient_slot(self, param: torch.Tensor) -> torch.Tensor:
+        """The 0-d int64 slot holding ``param``'s gradient address."""
+        return self._slots[id(param)]
+
+    def point_at(self, params: list[torch.Tensor], fresh_table: bool = False) -> None:
+        """Make the table hold ``params``' gradient addresses (slot i: ``params[i]``), by one
+        copy issued on the current stream (stream-ordered with the kernels that read it),
+        and only if one changed; ``fresh_table``: a table of its own, for a new capture (a
+        held graph reads its own table)."""
+        addresses = [p.grad.data_ptr() for p in params]
+        if fresh_table or self.gradients.numel() != len(params):
+            self.gradients = torch.zeros(len(params), dtype=torch.int64, device=self.device)
+            slots = self.gradients.unbind(0)
+            self._slots = {id(p): slot for p, slot in zip(params, slots, strict=True)}
+            self._addresses = []
+        if addresses == self._addresses:
+            return
+        # Pinned, so that the copy is asynchronous (from pageable memory it would first
+        # wait for the stream); the host allocator keeps the block until the copy is done.
+        pinned = self.device.type == "cuda"
+        host = torch.tensor(addresses, dtype=torch.int64, pin_memory=pinned)
+        self.gradients.copy_(host, non_blocking=pinned)
+        self._addresses = addresses
+
 
 class MuonStepGraph:
     """Capture and replay of one Muon group's step (see the module doc)."""
@@ -90,13 +122,10 @@ class MuonStepGraph:
     def __init__(self, async_step: bool = False) -> None:
         #: replay on :attr:`stream` and return at once (see the module doc)
         self.async_step = async_step
-        #: the side stream replays run on, and the event of the last replay (or of the
-        #: gradient zeroing queued after it); None until the first asynchronous replay
+        #: the side stream replays run on, and the event of the last replay; None until the
+        #: first asynchronous replay
         self.stream: torch.cuda.Stream | None = None
         self.done: torch.cuda.Event | None = None
-        #: a ``zero_grad`` queued a zeroing of the held gradients on :attr:`stream` that the
-        #: next accumulation into them has not waited for yet
-        self.zero_pending = False
         self.graph: torch.cuda.CUDAGraph | None = None
         self.key: tuple | None = None
         self.scalars: StepScalars | None = None
@@ -105,11 +134,8 @@ class MuonStepGraph:
         self.captures = 0
         self.replays = 0
         self.disabled = False
-        #: the matrices the held graph steps (their gradients must stay where they are)
+        #: the matrices the held graph steps
         self.params: list[torch.Tensor] = []
-        #: per matrix of ``params``: a gradient accumulated since ``expect_gradients``
-        self.arrived: list[bool] = []
-        self._hooks: list = []
 
     @staticmethod
     def _key(group: dict[str, Any], params: list[torch.Tensor], buffers) -> tuple:
@@ -117,7 +143,7 @@ class MuonStepGraph:
             str(group[k]) for k in ("momentum", "nesterov", "ns_steps", "eps", "ns_dtype")
         ) + (str(group["ns_coefficients"]), str(group["adjust_lr_fn"]))
         return baked + tuple(
-            (p.data_ptr(), p.grad.data_ptr(), b.data_ptr(), tuple(p.shape), p.grad.dtype)
+            (id(p), p.data_ptr(), b.data_ptr(), tuple(p.shape), p.grad.dtype)
             for p, b in zip(params, buffers, strict=True)
         )
 
@@ -129,7 +155,8 @@ class MuonStepGraph:
         body: Callable[[StepScalars], None],
     ) -> bool:
         """Run the step by the graph (capturing it first if needed); ``False``: it was
-        not (the caller steps eagerly). ``body(scalars)`` issues the step's kernels."""
+        not (the caller steps eagerly). ``body(scalars)`` issues the step's kernels, each
+        matrix's gradient read through ``scalars.gradient_slot``."""
         if self.disabled:
             return False
         key = self._key(group, params, buffers)
@@ -139,31 +166,31 @@ class MuonStepGraph:
                 self.scalars = StepScalars(params[0].device, params[0].dtype)
             for p in params:
                 self.scalars.step(p.shape)
-        self.scalars.refresh(group)
-        if not self.warmed:
-            body(self.scalars)
-            self.warmed = True
-            return True
-        if recording:
+        if recording and self.warmed:
             if (
                 self.captures > MAX_RECAPTURES
                 and self.replays < REPLAYS_PER_CAPTURE * self.captures
             ):
                 self._drain()
-                self.disabled, self.graph = True, None
-                self._watch([])
+                self.disabled, self.graph, self.params = True, None, []
                 logger.warning(
                     f"DMuon: the Muon step's tensors moved {self.captures} times in "
                     f"{self.replays} steps; stepping without a CUDA graph from here on"
                 )
                 return False
-            self._drain()  # (the graph replaced may still run)
-            self.graph, self.key = self._capture(body), key
-            self._watch(params)
+            self._drain()  # (the graph replaced may still run, reading the old table)
+        self.scalars.refresh(group)
+        self.scalars.point_at(params, fresh_table=recording)
+        if not self.warmed:
+            body(self.scalars)
+            self.warmed = True
+            return True
+        if recording:
+            self.graph, self.key, self.params = self._capture(body), key, list(params)
             if self.asynchronous:
                 self._share_with_side_stream(params, buffers)
             self.captures += 1
-        self._replay()
+        self._replay(params)
         self.replays += 1
         return True
 
@@ -178,96 +205,44 @@ class MuonStepGraph:
             self.done = torch.cuda.Event()
         return self.stream
 
-    def _replay(self) -> None:
+    def _replay(self, params: list[torch.Tensor]) -> None:
         if not self.asynchronous:
             self.graph.replay()
             return
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(stream.device))  # gradients, scalars
+        for p in params:  # (a zero_grad right after the step frees them: not for reuse yet)
+            p.grad.record_stream(stream)
         with torch.cuda.stream(stream):
             self.graph.replay()
         self.done.record(stream)
 
     def _drain(self) -> None:
-        """Wait on the host for the side stream: before a graph it runs is destroyed."""
+        """Wait on the host for the side stream: before a graph it runs is destroyed, or the
+        table it reads is replaced."""
         if self.stream is not None:
             self.stream.synchronize()
 
     def wait(self) -> None:
-        """Make the current stream wait (on the GPU) for the last replay and what was queued
-        after it on the side stream; nothing without asynchronous replays, or while the
-        current stream is being captured (a wait on an outside event would void it)."""
+        """Make the current stream wait (on the GPU) for the last replay; nothing without
+        asynchronous replays, or while the current stream is being captured (a wait on an
+        outside event would void it)."""
         if self.done is not None and not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream(self.stream.device).wait_event(self.done)
 
-    def zero_held(self, grads: list[torch.Tensor]) -> None:
-        """Zero ``grads`` (the held gradients) in place: on the side stream after the last
-        replay, which reads them, when replays are asynchronous (:attr:`done` then covers the
-        zeroing too, and the next gradient accumulated into them waits for it); else on the
-        current stream."""
-        if self.done is None:
-            torch._foreach_zero_(grads)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # their reads
-        with torch.cuda.stream(self.stream):
-            torch._foreach_zero_(grads)
-        self.done.record(self.stream)
-        self.zero_pending = True
-
     def _share_with_side_stream(self, params: list[torch.Tensor], buffers) -> None:
         """Tell the caching allocator that the side stream uses what the graph reads and
-        writes: memory freed on the compute stream (``del model``, ``p.grad = None``) is then
-        not handed out again before the side stream's work queued at that time is done."""
+        writes: memory freed on the compute stream (``del model``) is then not handed out
+        again before the side stream's work queued at that time is done."""
         stream = self._side_stream()
-        tensors = [p.data for p in params] + [p.grad for p in params] + list(buffers)
+        tensors = [p.data for p in params] + list(buffers) + [self.scalars.gradients]
         tensors += [self.scalars.decay, *self.scalars.steps.values()]
         for tensor in tensors:
             tensor.record_stream(stream)
 
-    def _watch(self, params: list[torch.Tensor]) -> None:
-        """Hold ``params``'s gradients (see the module doc) and watch which get one; with
-        asynchronous replays, a gradient about to be accumulated into a held one that a
-        ``zero_grad`` still zeroes on the side stream first waits for it. (The hooks hold
-        this object weakly: an optimizer dropped takes its graph along.)"""
-        for handle in self._hooks:
-            handle.remove()
-        self.params, self.arrived = list(params), [True] * len(params)
-        owner = weakref.ref(self)
-
-        def arrived(index: int):
-            def hook(_param) -> None:
-                graph = owner()
-                if graph is not None:
-                    graph.arrived[index] = True
-
-            return hook
-
-        def before_accumulation(_grad) -> None:
-            graph = owner()
-            if graph is not None and graph.zero_pending:
-                graph.zero_pending = False  # (one wait orders this backward's stream)
-                graph.wait()
-
-        trained = [(i, p) for i, p in enumerate(params) if p.requires_grad]  # (else: no hook)
-        self._hooks = [p.register_post_accumulate_grad_hook(arrived(i)) for i, p in trained] + [
-            p.register_hook(before_accumulation) for _, p in trained
-        ]
-
-    def expect_gradients(self, fresh: bool) -> None:
-        """``zero_grad`` zeroed the held gradients: with ``fresh`` (``set_to_none=True``)
-        only those a backward accumulates into from here on count as gradients."""
-        self.arrived = [not fresh] * len(self.params)
-
-    def drop_missing_gradients(self) -> None:
-        """Before the step: held matrices that got no gradient since ``zero_grad`` lose their
-        zeroed one (``None``: skipped, as torch.optim does)."""
-        for p, arrived in zip(self.params, self.arrived, strict=True):
-            if not arrived:
-                p.grad = None
-
     def _capture(self, body: Callable[[StepScalars], None]) -> torch.cuda.CUDAGraph:
         """Record ``body`` on a side stream (as ``torch.cuda.graph`` does, without its
-        synchronize and cache flush, which would move the next gradients elsewhere)."""
+        synchronize and cache flush: a host wait, and allocator churn, each capture)."""
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

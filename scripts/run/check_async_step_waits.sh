@@ -20,10 +20,12 @@ cut dmuon_titan/runtime/state.py "        if self.direct:
             return" "        if self.direct:
             return"
 run "forwards do not wait (must fail)"; restore
-cut dmuon_titan/step_graph.py "p.register_hook(before_accumulation) for _, p in trained" ""
-run "accumulation does not wait for a queued zeroing (must fail)"; restore
-cut dmuon_titan/muon.py "            graph.zero_held(held)" "            torch._foreach_zero_(held)"
-run "zero_grad zeroes on the compute stream (must fail)"; restore
+cut dmuon_titan/muon.py "        if not set_to_none:
+            self.step_graph.wait()
+" ""
+run "zero_grad in place does not wait (must fail)"; restore
+cut dmuon_titan/step_graph.py "            p.grad.record_stream(stream)" "            pass"
+run "a replay's gradients are not marked as used by its stream (must fail)"; restore
 cut dmuon_titan/runtime/hooks.py "        *register_state_dict_waits(state, root)," ""
 run "model.state_dict() does not wait (must fail)"; restore
 cut dmuon_titan/state_dict.py "    optimizer.step_graph.wait()  # (a step in flight still writes its state)" ""

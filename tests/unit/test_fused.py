@@ -98,6 +98,31 @@ def test_momentum_kernel_into_a_transposed_view_is_the_contiguous_one(nesterov, 
 
 
 @cuda
+@pytest.mark.parametrize("layout", ["contiguous", "transposed_out"])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_momentum_kernel_reads_the_gradient_through_its_address(layout, param_dtype):
+    """``grad_address`` (a captured step's gradient table): the kernel reads the gradient at
+    the address in the slot, not the tensor passed as ``grad`` (here a decoy of the same
+    shape), and writes bit for bit what it writes given the gradient itself."""
+    grad, buffer = (t.to(param_dtype) for t in _tensors((1031, 517), "cuda"))
+    decoy = torch.full_like(grad, float("nan"))
+
+    def out():
+        return (
+            torch.empty(517, 1031, dtype=torch.bfloat16, device="cuda").mT
+            if layout == "transposed_out"
+            else torch.empty(1031, 517, dtype=torch.bfloat16, device="cuda")
+        )
+
+    expected, expected_buffer = out(), buffer.clone()
+    fused.momentum_direction_into(grad, expected_buffer, expected, 0.95, True)
+    got, got_buffer = out(), buffer.clone()
+    slot = torch.tensor(grad.data_ptr(), dtype=torch.int64, device="cuda")
+    fused.momentum_direction_into(decoy, got_buffer, got, 0.95, True, grad_address=slot)
+    assert torch.equal(got_buffer, expected_buffer) and torch.equal(got, expected)
+
+
+@cuda
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
@@ -154,7 +179,9 @@ for nesterov in (True, False):
     ref_out = (grad.lerp(ref_buf, 0.95) if nesterov else ref_buf).bfloat16()
     grid = (triton.cdiv(grad.numel(), fused._BLOCK),)
     fused._momentum_kernel[grid](
-        grad, buf, out, grad.numel(), 1 - 0.95, 0.95, NESTEROV=nesterov, BLOCK=fused._BLOCK
+        grad, buf, out, grad.numel(), 1 - 0.95, 0.95, NESTEROV=nesterov, BY_ADDRESS=False,
+        GRAD_TYPE=None,
+        BLOCK=fused._BLOCK,
     )
     torch.testing.assert_close(buf, ref_buf, rtol=2e-7, atol=1e-7)
     # within one bf16 step: the interpreter rounds bf16 stores toward zero (the GPU rounds
@@ -167,10 +194,34 @@ for nesterov in (True, False):  # the tiled pass, into a transposed view
     ref_out = (grad.lerp(ref_buf, 0.95) if nesterov else ref_buf).bfloat16()
     wide = torch.empty(130, 70, dtype=torch.bfloat16)
     fused._momentum_kernel_2d[(triton.cdiv(70, fused._TILE), triton.cdiv(130, fused._TILE))](
-        grad, buf, wide.mT, 70, 130, 1, 70, 1 - 0.95, 0.95, NESTEROV=nesterov, TILE=fused._TILE
+        grad, buf, wide.mT, 70, 130, 1, 70, 1 - 0.95, 0.95, NESTEROV=nesterov, BY_ADDRESS=False,
+        GRAD_TYPE=None,
+        TILE=fused._TILE,
     )
     torch.testing.assert_close(buf, ref_buf, rtol=2e-7, atol=1e-7)
     torch.testing.assert_close(wide.mT.float(), ref_out.float(), rtol=1e-2, atol=1e-6)
+
+# The gradient read through an int64 slot holding its address (a captured step's): both
+# kernels write what they write given the gradient itself, bit for bit.
+grad, buf = torch.randn(70, 130), torch.randn(70, 130)
+slot = torch.tensor(grad.data_ptr(), dtype=torch.int64)
+f32 = fused._TL_DTYPES[torch.float32]
+runs = []
+for by_address in (False, True):
+    b, out = buf.clone(), torch.empty(70, 130, dtype=torch.bfloat16)
+    fused._momentum_kernel[(triton.cdiv(grad.numel(), fused._BLOCK),)](
+        slot if by_address else grad, b, out, grad.numel(), 1 - 0.95, 0.95, NESTEROV=True,
+        BY_ADDRESS=by_address, GRAD_TYPE=f32 if by_address else None, BLOCK=fused._BLOCK,
+    )
+    b2, wide = buf.clone(), torch.empty(130, 70, dtype=torch.bfloat16)
+    fused._momentum_kernel_2d[(triton.cdiv(70, fused._TILE), triton.cdiv(130, fused._TILE))](
+        slot if by_address else grad, b2, wide.mT, 70, 130, 1, 70, 1 - 0.95, 0.95,
+        NESTEROV=True, BY_ADDRESS=by_address, GRAD_TYPE=f32 if by_address else None,
+        TILE=fused._TILE,
+    )
+    runs.append((b, out, b2, wide))
+assert all(torch.equal(x, y) for x, y in zip(*runs))
+assert not torch.equal(runs[1][0], buf)  # (it did read a gradient)
 
 for transposed in (False, True):
     param = torch.randn(70, 130)

@@ -1,10 +1,12 @@
 """The captured Muon step (``Muon(cuda_graph=True)``, one rank on a GPU).
 
 On CPU the graph mechanics are stood in for (a "graph" whose replay re-runs the recorded
-step), so what is tested here is everything else: the step the graph records (every chunk
-by the grouped passes, lr-dependent factors from device scalars) equals the eager step,
-an LR schedule reaches it through the scalars, and moved gradients trigger a recapture. The
-real capture runs in the GPU test (tests/distributed/test_gpu_one.py)."""
+step, after checking that the gradient table holds the current gradients' addresses), so
+what is tested here is everything else: the step the graph records (every matrix by its own
+passes, lr-dependent factors from device scalars) equals the eager step, an LR schedule
+reaches it through the scalars, new gradients every step are followed through the table
+without a recapture, and moved matrices trigger one. The real capture runs in the GPU test
+(tests/distributed/test_gpu_one.py)."""
 
 from __future__ import annotations
 
@@ -20,13 +22,18 @@ from tests.helpers.models import ToyTransformer, dedicated_predicate, loss_fn
 
 
 class _ReplayedBody:
-    """A stand-in for ``torch.cuda.CUDAGraph``: replay runs the recorded body again."""
+    """A stand-in for ``torch.cuda.CUDAGraph``: replay runs the recorded body again (whose
+    eager passes read ``p.grad``, where the kernels read the table: so the table is checked
+    to point at those same gradients)."""
 
     def __init__(self, body, owner) -> None:
         self.body, self.owner = body, owner
 
     def replay(self) -> None:
-        self.body(self.owner.scalars)
+        scalars = self.owner.scalars
+        assert scalars.gradients.tolist() == [p.grad.data_ptr() for p in self.owner.params]
+        assert all(scalars.gradient_slot(p).item() == p.grad.data_ptr() for p in self.owner.params)
+        self.body(scalars)
 
 
 def _train(cpu_mesh, graph: bool, steps: int = 4, keep_grads: bool = True, freeze_at=None):
@@ -88,25 +95,23 @@ def test_a_cpu_model_is_not_eligible(cpu_mesh):
     assert not record.warmed and record.replays == 0
 
 
-def test_zero_grad_keeps_the_captured_gradients_where_the_graph_reads_them(cpu_mesh):
-    """``zero_grad()`` (set_to_none, as torchtitan calls it) while a graph is held: the
-    captured matrices' gradients are zeroed in place, so the next backward lands in the same
-    tensors and the one capture is replayed every step (the CPU allocator would hand out new
-    blocks: without this, a capture per step until the graph is given up); the other
-    parameters' gradients are dropped as usual; the weights equal the eager step's."""
+def test_new_gradients_every_step_are_read_through_the_table_without_a_recapture(cpu_mesh):
+    """``zero_grad()`` (set_to_none, as torchtitan calls it) drops every gradient, so each
+    backward makes new ones (the CPU allocator hands out new blocks): one capture, replayed
+    every step, its table pointed at each step's gradients (checked in each replay); the
+    weights equal the eager step's, and nothing keeps the gradients after ``zero_grad``."""
     graphed, record = _train(cpu_mesh, graph=True, steps=8, keep_grads=False)
     assert record.captures == 1 and record.replays == 7 and not record.disabled
-    assert all(p.grad is not None for p in record.params)
-    assert not any(p.grad.abs().max() for p in record.params)  # zeroed after the last step
+    assert record.params and all(p.grad is None for p in record.params)
     eager, _ = _train(cpu_mesh, graph=False, steps=8, keep_grads=False)
     assert max((eager[k] - graphed[k]).abs().max().item() for k in eager) <= 1e-14
 
 
-def test_a_held_matrix_without_a_gradient_is_skipped_as_torch_optim_skips_it(cpu_mesh):
-    """A captured matrix frozen after the capture gets no gradient: its zeroed, held
-    gradient is dropped before the step (torch.optim skips a None gradient; stepping the
-    zeros would decay its momentum and weight), the others are captured again; the weights
-    equal the eager run's, the frozen matrix unchanged from the freeze on."""
+def test_a_matrix_without_a_gradient_is_skipped_as_torch_optim_skips_it(cpu_mesh):
+    """A captured matrix frozen after the capture gets no gradient (``None`` after
+    ``zero_grad``): it is left out of the step, as torch.optim skips it (stepping zeros would
+    decay its momentum and weight), the others are captured again; the weights equal the
+    eager run's, the frozen matrix unchanged from the freeze on."""
     graphed, record = _train(cpu_mesh, graph=True, steps=6, keep_grads=False, freeze_at=3)
     eager, _ = _train(cpu_mesh, graph=False, steps=6, keep_grads=False, freeze_at=3)
     assert record.captures == 2 and not record.disabled
@@ -126,35 +131,35 @@ class _CountingWait:
         self.waits += 1
 
 
-def test_an_accumulation_after_a_queued_zeroing_waits_for_it_once():
-    """``async_step``: after ``zero_held`` (a zeroing queued on the side stream) the first
-    gradient accumulated into a held matrix makes its stream wait for that zeroing, once per
-    zeroing; without one pending, nothing waits."""
-    params = [torch.nn.Parameter(torch.randn(3, 4)) for _ in range(2)]
-    graph = step_graph.MuonStepGraph(async_step=True)
-    graph._watch(params)
+def test_zero_grad_in_place_waits_for_the_step_in_flight(cpu_mesh):
+    """``async_step``: the step in flight reads the gradients, so zeroing them in place
+    (``set_to_none=False``) first waits for it; dropping them does not need to (each replay
+    marks its gradients as used by its stream)."""
+    model = ToyTransformer().double()
+    dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64)
     counter = _CountingWait()
-    graph.wait = counter.wait
-    sum(p.sum() for p in params).backward()
-    assert counter.waits == 0
-    graph.zero_pending = True
-    sum((p * p).sum() for p in params).backward()
-    assert counter.waits == 1 and not graph.zero_pending
-    sum(p.sum() for p in params).backward()
-    assert counter.waits == 1
+    optimizer.step_graph.wait = counter.wait
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    loss_fn(model(tokens), tokens).backward()  # (the forward waits too)
+    before = counter.waits
+    optimizer.zero_grad(set_to_none=False)
+    assert counter.waits == before + 1
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    optimizer.zero_grad()
+    assert counter.waits == before + 1 and all(p.grad is None for p in model.parameters())
 
 
 def test_the_model_state_dict_waits_and_a_dropped_optimizer_lets_go_of_its_step(cpu_mesh):
     """``model.state_dict()`` and ``load_state_dict()`` wait for every step in flight; the
-    model's record of the optimizers' steps is weak, and so are the hooks a capture puts on
-    the matrices, so an optimizer dropped (rebuilt, say) is freed with its graph."""
+    model's record of the optimizers' steps is weak, so an optimizer dropped (rebuilt, say)
+    is freed with its graph."""
     import gc
 
     model = ToyTransformer().double()
     dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
     state = model._dmuon_state
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64)
-    optimizer.step_graph._watch([p.owned for p in state.params])  # (as a capture does)
     assert len(state.step_graphs) == 1
     in_flight = _CountingWait()
     state.step_graphs.add(in_flight)
