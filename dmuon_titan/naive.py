@@ -52,7 +52,10 @@ class NaiveMuon(Muon):
     def _gather(self, direction: torch.Tensor) -> torch.Tensor:
         return direction.full_tensor() if isinstance(direction, DTensor) else direction
 
-    def _write_direction(self, p: torch.Tensor, group, out: torch.Tensor) -> None:
+    def _write_direction(
+        self, p: torch.Tensor, group, out: torch.Tensor, grad_address=None
+    ) -> None:
+        # (grad_address: a captured step's, and this path is never captured: no DMuon state)
         out.copy_(self._gather(self._direction(p, group)))
 
     def _scatter(self, param: torch.Tensor, ortho: torch.Tensor):
