@@ -60,10 +60,15 @@ def _fusable(first: Tensor, *others: Tensor, contiguous_others: bool = True) -> 
     )
 
 
-def momentum_fusable(grad: Tensor, buffer: Tensor) -> bool:
-    """Whether :func:`momentum_direction_into` runs ``grad`` and ``buffer`` by a kernel (and
-    so may read the gradient through ``grad_address``)."""
-    return _fusable(buffer, grad)
+def momentum_fusable(grad: Tensor, buffer: Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether :func:`momentum_direction_into` runs ``grad`` and ``buffer`` into an output of
+    ``out_dtype`` by a kernel (and so may read the gradient through ``grad_address``)."""
+    return _fusable(buffer, grad) and out_dtype in _KERNEL_DTYPES
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def momentum_direction_into(
@@ -84,18 +89,8 @@ def momentum_direction_into(
     reads the gradient from when it runs, not ``grad``'s own (a captured step's gradients are
     new tensors every backward; ``grad`` then gives only shape, dtype and layout). The eager
     path reads ``grad``, which must then be the gradient itself; under CUDA-graph capture it
-    is an error (the capture would bake in ``grad``'s address)."""
+    raises (the capture would bake in ``grad``'s address)."""
     by_address = grad_address is not None
-    if (
-        by_address
-        and grad.is_cuda
-        and not momentum_fusable(grad, buffer)
-        and torch.cuda.is_current_stream_capturing()
-    ):
-        raise RuntimeError(
-            "momentum_direction_into(grad_address=...) under CUDA-graph capture needs the "
-            "fused kernel (Triton, CUDA, contiguous float32/bfloat16/float16 grad and buffer)"
-        )
     grad_arg = grad_address if by_address else grad
     grad_type = _TL_DTYPES.get(grad.dtype) if by_address else None
     if (
@@ -138,6 +133,13 @@ def momentum_direction_into(
             BLOCK=_BLOCK,
         )
         return
+    if by_address and _capturing():
+        raise RuntimeError(
+            "momentum_direction_into(grad_address=...) under CUDA-graph capture needs a fused "
+            "kernel: Triton, CUDA, contiguous float32/bfloat16/float16 grad and buffer, and a "
+            f"float32/bfloat16/float16 output (got grad {grad.dtype}, buffer {buffer.dtype}, "
+            f"output {out.dtype})"
+        )
     buffer.lerp_(grad, 1 - momentum)
     if nesterov:
         torch.lerp(grad, buffer, momentum, out=out)  # fp32 math, one rounding on store

@@ -73,8 +73,9 @@ class Muon(torch.optim.Optimizer):
             the matrices' step as one captured CUDA graph after a first eager step
             (:mod:`dmuon_titan.step_graph`): a small model's step is host-bound and the
             Muon step launches far more kernels than fused AdamW. The step's timings then
-            report no separate ``ns`` phase. Needs the fused momentum kernel (Triton; float32,
-            bfloat16 or float16 masters): otherwise the step is eager. ``False``: always eager.
+            report no separate ``ns`` phase. Needs the fused momentum kernel (Triton;
+            float32, bfloat16 or float16 gradients, momentum buffers and ``ns_dtype``):
+            otherwise the step is eager. ``False``: always eager.
         async_step: with the captured step, replay it on a side stream and return at once
             (:mod:`dmuon_titan.step_graph`): the host goes on to the next step while the GPU
             runs Newton–Schulz (a blocking batch copy, as torchtitan's, waits for the compute
@@ -285,7 +286,7 @@ class Muon(torch.optim.Optimizer):
             todo = [p for p in todo if not dedicated_of(p).shared_ns]
             self._step_shared(group, mine, coefficients, shared)
         if self._graph_eligible(group, todo):
-            buffers = [self._momentum_buffer(p) for p in todo]
+            buffers = [self._momentum_buffer(p) for p in todo]  # (made by the check above)
 
             def body(scalars: StepScalars) -> None:
                 self._step_matrices(group, todo, coefficients, scalars)
@@ -298,7 +299,8 @@ class Muon(torch.optim.Optimizer):
         """Whether the matrices' step may run as a CUDA graph (see ``cuda_graph``): the
         direct path on a GPU, every matrix a plain tensor of one dtype, not float16 NS, and
         every momentum pass a kernel that reads its gradient through an address slot
-        (:mod:`dmuon_titan.step_graph`): Triton, contiguous kernel dtypes (not float64)."""
+        (:mod:`dmuon_titan.step_graph`): Triton, contiguous gradients and momentum buffers
+        and an NS dtype of the kernels' (float32/bfloat16/float16; not float64)."""
         return (
             self.options.cuda_graph
             and bool(todo)
@@ -308,7 +310,10 @@ class Muon(torch.optim.Optimizer):
             and group["ns_dtype"] != torch.float16
             and len({p.dtype for p in todo}) == 1
             and all(type(p.grad) is torch.Tensor and type(p.data) is torch.Tensor for p in todo)
-            and all(fused.momentum_fusable(p.grad, p) for p in todo)
+            and all(
+                fused.momentum_fusable(p.grad, self._momentum_buffer(p), group["ns_dtype"])
+                for p in todo
+            )
             and not torch.cuda.is_current_stream_capturing()
         )
 

@@ -15,12 +15,13 @@ only when an address changed). ``zero_grad`` is torch's: gradients are dropped
 (``set_to_none``), and backward hands over new ones without the read-modify-write of
 accumulating into zeroed tensors (16 bytes per parameter, and the gradients no longer held
 through the forward: docs/benchmarks.md, tenth session). Only a step whose every matrix takes
-that kernel is captured (CUDA, Triton, contiguous float32/bfloat16/float16 gradients);
-others step eagerly.
+that kernel is captured (CUDA, Triton, contiguous float32/bfloat16/float16 gradients and
+momentum buffers, float32/bfloat16 NS: ``Muon._graph_eligible``, checked every step); others
+step eagerly.
 
-Each step compares the masters', buffers' and gradients' shapes, dtypes and (for masters and
-buffers) addresses, and the hyper-parameters baked into the graph, with the capture's; on any
-difference the step is captured again (a matrix without a gradient is left out, as
+Each step compares the matrices (which, their addresses and shapes), their buffers'
+addresses, their gradients' dtypes and the hyper-parameters baked into the graph with the
+capture's; on any difference the step is captured again (a matrix without a gradient is left out, as
 torch.optim skips it, so the set changes), and when that happens more than once in
 ``REPLAYS_PER_CAPTURE`` steps the graph is given up for good (eager steps from then on). The
 learning rate and weight decay are not baked in: they enter through device scalars refreshed
@@ -97,9 +98,10 @@ class StepScalars:
 
     def point_at(self, params: list[torch.Tensor], fresh_table: bool = False) -> None:
         """Make the table hold ``params``' gradient addresses (slot i: ``params[i]``), by one
-        copy issued on the current stream (stream-ordered with the kernels that read it),
-        and only if one changed; ``fresh_table``: a table of its own, for a new capture (a
-        held graph reads its own table)."""
+        copy issued on the current stream, and only if one changed; ``fresh_table``: a table
+        of its own, for a new capture (a held graph reads its own table). The caller orders
+        it: after the last replay that read the table (``Muon``'s step pre-hook waits for
+        it), before the next (a side-stream replay waits for the current stream)."""
         addresses = [p.grad.data_ptr() for p in params]
         if fresh_table or self.gradients.numel() != len(params):
             self.gradients = torch.zeros(len(params), dtype=torch.int64, device=self.device)

@@ -77,10 +77,14 @@ def test_float64_masters_step_eagerly_and_equal_the_reference():
     """float64 on one GPU, 5 steps, Z3 and a tall/wide/square mix (the toy): float64 is not a
     dtype of the fused momentum kernel, which the captured step needs (it reads each gradient
     through an address slot), so nothing is captured; the weights equal the single-process
-    reference within 1e-10 of the weight change."""
+    reference within 1e-10 of the weight change. float32 masters with float64 NS (the
+    kernel's output dtype) are not captured either."""
     exact = RunConfig(param_dtype=torch.float64, ns_dtype=torch.float64, device="cuda")
-    (graph,) = run_ranks(graph_and_eager, 1, [exact], backend="nccl")[0]
+    graph, float64_ns = run_ranks(
+        graph_and_eager, 1, [exact, with_(exact, param_dtype=torch.float32)], backend="nccl"
+    )[0]
     assert graph["direct"] and not graph["warmed"] and graph["captures"] == 0
+    assert float64_ns["direct"] and not float64_ns["warmed"] and float64_ns["captures"] == 0
     init = initial_state(exact)
     reference = train_reference(exact)
     assert max(relative_errors(graph["weights"], reference, init).values()) <= 1e-10

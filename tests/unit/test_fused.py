@@ -168,6 +168,23 @@ def test_kernels_can_be_turned_off(monkeypatch):
     fused.decay_and_update_(grad, out, 0.99, 0.1)
 
 
+def test_reading_by_address_without_a_kernel_under_capture_raises(monkeypatch):
+    """``grad_address`` where no kernel runs (here: CPU tensors, a float64 output) while a
+    CUDA graph is being captured (stood in for) raises instead of baking the capture's
+    gradient address into the graph; outside a capture the eager path reads ``grad``."""
+    monkeypatch.setattr(fused, "_capturing", lambda: True)
+    grad, buffer = _tensors((8, 8), "cpu")
+    out = torch.empty(8, 8, dtype=torch.float64)
+    slot = torch.tensor(grad.data_ptr(), dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="grad_address.*output torch.float64"):
+        fused.momentum_direction_into(grad, buffer.clone(), out, 0.95, True, grad_address=slot)
+    monkeypatch.setattr(fused, "_capturing", lambda: False)
+    expected = torch.empty_like(out)
+    fused.momentum_direction_into(grad, buffer.clone(), expected, 0.95, True)
+    fused.momentum_direction_into(grad, buffer.clone(), out, 0.95, True, grad_address=slot)
+    assert torch.equal(out, expected)
+
+
 _INTERPRETED = """
 import torch, triton
 from dmuon_titan import fused
