@@ -24,6 +24,10 @@ bookkeeping), and the optimizer step, timed with CUDA events (median). Variants:
   ``.peers/torchtitan030`` by ``scripts/bench/peers/distmuon_peer.py``); a peer that is not installed
   is reported as skipped.
 
+On one rank only ``naive`` and the peers (DTensor parameters) are wrapped in FSDP2: torchtitan
+applies no FSDP2 on one GPU, and ``torch_muon`` has none, so neither do ``adamw`` and DMuon
+(``--one-rank-fsdp`` wraps them anyway, as one-rank tables before 2026-12-03 did).
+
 Gradients have rank ≤ ``--tokens``; Newton–Schulz runs faster on low-rank inputs (its matmuls'
 speed depends on the data), so use at least as many tokens as the model width for NS times
 that hold in training. Forward and backward use TF32 matmuls (a benchmark of the optimizer, not
@@ -112,8 +116,17 @@ class TorchMuonAndAdamW:
             optimizer.zero_grad(set_to_none=set_to_none)
 
 
+#: variants that run on DTensor parameters, so on FSDP2 even on one rank
+NEEDS_FSDP = ("naive", "muon_fsdp2", "distmuon")
+
+
 def build(
-    variant: str, shape, mesh, device, ns_batch_numel: int = dmuon.muon.DEFAULT_NS_BATCH_NUMEL
+    variant: str,
+    shape,
+    mesh,
+    device,
+    ns_batch_numel: int = dmuon.muon.DEFAULT_NS_BATCH_NUMEL,
+    one_rank_fsdp: bool = False,
 ):
     with torch.device("meta"):
         model = Stack(*shape)
@@ -127,7 +140,13 @@ def build(
             ns_algorithm=algorithm,
             collectives="gather" if "_gather" in variant else "broadcast",
         )
-    if variant != "torch_muon":  # torch.optim.Muon takes plain tensors: one rank, no FSDP2
+    # One rank: torchtitan applies no FSDP2 there (its hooks alone cost forward host time,
+    # docs/benchmarks.md), and torch.optim.Muon takes plain tensors, so AdamW and DMuon run
+    # on plain modules too unless --one-rank-fsdp (the layout of tables before 2026-12-03).
+    sharded = dist.get_world_size() > 1 or variant in NEEDS_FSDP or one_rank_fsdp
+    if variant == "torch_muon":
+        sharded = False
+    if sharded:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -203,7 +222,9 @@ def run_ns_floor(shape, device, warmup, steps) -> dict:
     }
 
 
-def run_variant(variant, shape, mesh, device, tokens, warmup, steps, profile=None) -> dict:
+def run_variant(
+    variant, shape, mesh, device, tokens, warmup, steps, profile=None, one_rank_fsdp=False
+) -> dict:
     if variant == "ns_floor":
         return run_ns_floor(shape, device, warmup, steps)
     gc.collect()  # earlier variants' modules hold reference cycles (hooks): free them first
@@ -212,7 +233,7 @@ def run_variant(variant, shape, mesh, device, tokens, warmup, steps, profile=Non
         torch.cuda.reset_peak_memory_stats()
     leftover = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     try:
-        model, optimizer = build(variant, shape, mesh, device)
+        model, optimizer = build(variant, shape, mesh, device, one_rank_fsdp=one_rank_fsdp)
     except (ImportError, OSError) as err:  # a peer not installed here (same on every rank)
         if dist.get_rank() == 0:
             print(f"skipped {variant}: {err}")
@@ -308,6 +329,12 @@ def main() -> None:
         "timed ones "
         "(summarize with scripts/analysis/trace_summary.py)",
     )
+    parser.add_argument(
+        "--one-rank-fsdp",
+        action="store_true",
+        help="on one rank, wrap AdamW's and DMuon's blocks in FSDP2 anyway (the layout of "
+        "one-rank tables before 2026-12-03; torchtitan applies no FSDP2 on one GPU)",
+    )
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -323,7 +350,17 @@ def main() -> None:
     if args.layers is not None:
         shape = (args.layers, *shape[1:])
     rows = [
-        run_variant(v, shape, mesh, device, args.tokens, args.warmup, args.steps, args.profile)
+        run_variant(
+            v,
+            shape,
+            mesh,
+            device,
+            args.tokens,
+            args.warmup,
+            args.steps,
+            args.profile,
+            args.one_rank_fsdp,
+        )
         for v in args.variants.split(",")
     ]
     rows = [r for r in rows if r is not None]
