@@ -17,6 +17,8 @@ bookkeeping), and the optimizer step, timed with CUDA events (median). Variants:
 - ``naive``: every matrix on FSDP2, all-gather + Newton–Schulz on every rank;
 - ``torch_muon`` (one rank only): no FSDP2, ``torch.optim.Muon`` on the matrices and fused
   ``torch.optim.AdamW`` on the rest: the reference DMuon's one-rank step is held to;
+- suffix ``_unhooked`` (one rank): DMuon with every forward hook below the root removed, which
+  do nothing there without an asynchronous step: what the boundary hooks cost;
 - ``ns_floor``: only Newton–Schulz (bf16, 5 steps) of this rank's share of the matrices under
   DMuon's partition, no communication, no momentum: the plain-NS floor;
 - peers: ``muon_fsdp2`` (PyPI ``muon-fsdp2`` 0.3.0: gather to one rank per matrix, NS, scatter)
@@ -32,6 +34,11 @@ Gradients have rank ≤ ``--tokens``; Newton–Schulz runs faster on low-rank in
 speed depends on the data), so use at least as many tokens as the model width for NS times
 that hold in training. Forward and backward use TF32 matmuls (a benchmark of the optimizer, not
 of fp32 matmuls); Newton–Schulz runs in its own dtype either way.
+
+``host forward`` is the host's time to issue the forward (no synchronization inside): each
+timed step starts from an idle GPU (the last step was read back), so while the host has not
+got ahead of the GPU, host time is GPU idle time. ``--settle-ms`` idles before each forward,
+so that the GPU's clocks recover from the step before.
 
 Peak memory is the variant's own: allocated memory above what was left allocated when it
 started (``leftover_gib`` in the JSON). Every column is its slowest rank's median, column by column (the step waits for the slowest
@@ -50,6 +57,7 @@ import gc
 import json
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -216,14 +224,35 @@ def run_ns_floor(shape, device, warmup, steps) -> dict:
     return {
         "variant": "ns_floor",
         "fwd_bwd_ms": 0.0,
+        "host_forward_ms": 0.0,
         "step_ms": slowest,
         "ns_ms": slowest,
         "peak_gib": float("nan"),
     }
 
 
+def _remove_boundary_hooks(model: nn.Module) -> None:
+    """``_unhooked``: every forward hook below the root dropped (one rank, no FSDP2, no
+    asynchronous step: DMuon's boundary hooks do nothing there), to time what they cost."""
+    if dist.get_world_size() != 1:
+        raise RuntimeError("_unhooked variants run on one rank (the hooks move the weights)")
+    for module in model.modules():
+        if module is not model:
+            module._forward_pre_hooks.clear()
+            module._forward_hooks.clear()
+
+
 def run_variant(
-    variant, shape, mesh, device, tokens, warmup, steps, profile=None, one_rank_fsdp=False
+    variant,
+    shape,
+    mesh,
+    device,
+    tokens,
+    warmup,
+    steps,
+    profile=None,
+    one_rank_fsdp=False,
+    settle_ms=0.0,
 ) -> dict:
     if variant == "ns_floor":
         return run_ns_floor(shape, device, warmup, steps)
@@ -238,8 +267,10 @@ def run_variant(
         if dist.get_rank() == 0:
             print(f"skipped {variant}: {err}")
         return None
+    if variant.endswith("_unhooked"):
+        _remove_boundary_hooks(model)
     x = torch.randn(tokens, shape[1], device=device, generator=None)
-    fwd_bwd, step, ns = [], [], []
+    fwd_bwd, step, ns, host_forward = [], [], [], []
     timer = PhaseTimer(device)
     for i in range(warmup + steps + bool(profile)):
         profiler = None
@@ -251,9 +282,14 @@ def run_variant(
                 ]
             )
             profiler.__enter__()
+        if settle_ms:
+            time.sleep(settle_ms / 1000)  # the GPU idle: clocks back up after the last step
         timer.reset()
         timer.start("fwd_bwd")
-        model(x).float().square().mean().backward()
+        began = time.perf_counter()
+        y = model(x)
+        host_forward.append((time.perf_counter() - began) * 1000)
+        y.float().square().mean().backward()
         timer.stop("fwd_bwd")
         timer.start("step")
         optimizer.step()
@@ -275,8 +311,9 @@ def run_variant(
         else float("nan")
     )
     del model, optimizer
-    fwd_bwd_ms, step_ms, ns_ms, peak, leftover_gib = slowest_rank(
+    fwd_bwd_ms, host_forward_ms, step_ms, ns_ms, peak, leftover_gib = slowest_rank(
         statistics.median(fwd_bwd),
+        statistics.median(host_forward),
         statistics.median(step),
         statistics.median(ns) if ns else -1.0,
         peak,
@@ -285,6 +322,7 @@ def run_variant(
     return {
         "variant": variant,
         "fwd_bwd_ms": fwd_bwd_ms,
+        "host_forward_ms": host_forward_ms,
         "step_ms": step_ms,
         "ns_ms": ns_ms if ns else None,
         "peak_gib": peak,
@@ -335,6 +373,13 @@ def main() -> None:
         help="on one rank, wrap AdamW's and DMuon's blocks in FSDP2 anyway (the layout of "
         "one-rank tables before 2026-12-03; torchtitan applies no FSDP2 on one GPU)",
     )
+    parser.add_argument(
+        "--settle-ms",
+        type=float,
+        default=0.0,
+        help="idle time before each forward (after the last step was read back), so that "
+        "the GPU's clocks recover from the step before",
+    )
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -360,6 +405,7 @@ def main() -> None:
             args.steps,
             args.profile,
             args.one_rank_fsdp,
+            args.settle_ms,
         )
         for v in args.variants.split(",")
     ]
@@ -371,15 +417,16 @@ def main() -> None:
             f"{args.tokens} tokens, median of {args.steps} steps after {args.warmup} warm-up"
         )
         print(
-            "| variant | fwd+bwd (ms) | optimizer step (ms) | of which NS (ms) | step / AdamW step | total / AdamW total | peak (GiB) |"
+            "| variant | fwd+bwd (ms) | host forward (ms) | optimizer step (ms) | of which NS (ms) | step / AdamW step | total / AdamW total | peak (GiB) |"
         )
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
             total = r["fwd_bwd_ms"] + r["step_ms"]
             base_total = base["fwd_bwd_ms"] + base["step_ms"]
             ns = "-" if r["ns_ms"] is None else f"{r['ns_ms']:.1f}"
             print(
-                f"| {r['variant']} | {r['fwd_bwd_ms']:.1f} | {r['step_ms']:.1f} | {ns} | "
+                f"| {r['variant']} | {r['fwd_bwd_ms']:.1f} | {r['host_forward_ms']:.2f} | "
+                f"{r['step_ms']:.1f} | {ns} | "
                 f"{r['step_ms'] / base['step_ms']:.2f} | {total / base_total:.2f} | {r['peak_gib']:.1f} |"
             )
         if args.json:
