@@ -27,6 +27,8 @@
 #               throughput summary and the steps to AdamW's final validation loss
 #   PIN (e.g. "0-3"): run every torchrun under `taskset -c PIN`, so that all runs use the same
 #               host cores (a test of whether core placement is the run-to-run spread)
+#   TITAN_ARGS: more torchtitan overrides for every run, e.g. "--training.dataloader.num_workers
+#               1" (batches tokenized ahead in a worker: the loop no longer waits on the data)
 #   scripts/run/small_scale.sh OUTDIR [throughput] [forward] [profile] [loss] [larger]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -51,7 +53,7 @@ titan() {  # titan NAME VARIANT [overrides...]: VARIANT adamw, dmuon, dmuon_sync
   ${PIN:+taskset -c "$PIN"} torchrun --standalone --nproc_per_node=1 --role rank --tee 3 \
     -m torchtitan.train \
     --job.config_file "configs/llm170m_${opt}.toml" --job.dump_folder "$OUT/dump_$name" \
-    --metrics.disable_color_printing "$@" "${extra[@]}" >"$OUT/$name.log" 2>&1 \
+    --metrics.disable_color_printing "$@" "${extra[@]}" ${TITAN_ARGS:-} >"$OUT/$name.log" 2>&1 \
     || { echo "$name failed:"; tail -30 "$OUT/$name.log"; return 1; }
 }
 alternate() {  # alternate PART "VARIANT..." [overrides...]: ROUNDS rounds, each run alone; logs in logs
