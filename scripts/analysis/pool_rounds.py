@@ -9,7 +9,8 @@ per variant the median and mean ratio, how many rounds reach ``--threshold``, a 
 bootstrap interval of the median, and a one-sided sign test of "a round reaches the threshold
 more often than not" (the chance of that many or more under a coin flip).
 
-    python3 scripts/analysis/pool_rounds.py docs/results/small_scale_{10,11,12,13,15}/*.md
+    python3 scripts/analysis/pool_rounds.py docs/results/small_scale_13/round{1,2}.md
+    (docs/benchmarks.md, "twelfth session", lists the summaries behind its pooled table)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import re
 import statistics
 from pathlib import Path
 
-RUN = re.compile(r"throughput_([a-z_]+?)_(\d+)\.log$")
+RUN = re.compile(r"throughput_([a-z0-9_]+?)_(\d+)\.log$")
 
 
 def read_runs(path: Path) -> dict[tuple[str, int], float]:
@@ -39,8 +40,10 @@ def read_runs(path: Path) -> dict[tuple[str, int], float]:
         match = RUN.search(cells[0])
         if match is None:
             continue
-        tok_s = float(cells[header.index("tok/s/device")].replace(",", ""))
-        runs[(match.group(1), int(match.group(2)))] = tok_s
+        key = (match.group(1), int(match.group(2)))
+        if key in runs:
+            raise SystemExit(f"{path}: run {cells[0]} listed twice")
+        runs[key] = float(cells[header.index("tok/s/device")].replace(",", ""))
     return runs
 
 

@@ -29,6 +29,7 @@
 #               host cores (a test of whether core placement is the run-to-run spread)
 #   TITAN_ARGS: more torchtitan overrides for every run, e.g. "--training.dataloader.num_workers
 #               1" (batches tokenized ahead in a worker: the loop no longer waits on the data)
+#   Every run's config and overrides are appended to OUTDIR/commands.txt.
 #   scripts/run/small_scale.sh OUTDIR [throughput] [forward] [profile] [loss] [larger]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -50,6 +51,7 @@ titan() {  # titan NAME VARIANT [overrides...]: VARIANT adamw, dmuon, dmuon_sync
     dmuon_sync) opt=dmuon extra=(--dmuon.no_async_step) ;;
     dmuon_auto) opt=dmuon extra=(--dmuon.ns_algorithm auto) ;;
   esac
+  echo "$name: configs/llm170m_${opt}.toml $* ${extra[*]} ${TITAN_ARGS:-}" >>"$OUT/commands.txt"
   ${PIN:+taskset -c "$PIN"} torchrun --standalone --nproc_per_node=1 --role rank --tee 3 \
     -m torchtitan.train \
     --job.config_file "configs/llm170m_${opt}.toml" --job.dump_folder "$OUT/dump_$name" \

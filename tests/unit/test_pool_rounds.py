@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ..helpers import analysis_script
 
 pool_rounds = analysis_script("pool_rounds")
@@ -27,6 +29,7 @@ def test_rounds_pair_by_number_within_a_file(tmp_path):
         + _row("throughput_adamw_2.log", 80_000)
         + _row("throughput_dmuon_2.log", 60_000)
         + _row("throughput_dmuon_3.log", 70_000)  # no AdamW run in round 3: left out
+        + _row("throughput_dmuon_z3_2.log", 40_000)  # a variant name with a digit
     )
     two = tmp_path / "two.md"  # round 1 again, another file: a round of its own
     two.write_text(
@@ -36,7 +39,15 @@ def test_rounds_pair_by_number_within_a_file(tmp_path):
     assert [(r["round"], r["adamw"]) for r in rounds] == [(1, 100_000), (2, 80_000), (1, 50_000)]
     assert rounds[0]["dmuon_auto"] == 0.9 and rounds[0]["dmuon"] == 1.2
     assert rounds[1]["dmuon"] == 0.75 and "dmuon_auto" not in rounds[1]
+    assert rounds[1]["dmuon_z3"] == 0.5
     assert rounds[2]["dmuon"] == 0.9
+
+
+def test_a_run_listed_twice_is_refused(tmp_path):
+    twice = tmp_path / "twice.md"
+    twice.write_text(HEADER + _row("throughput_adamw_1.log", 1) + _row("throughput_adamw_1.log", 2))
+    with pytest.raises(SystemExit, match="listed twice"):
+        pool_rounds.read_runs(twice)
 
 
 def test_sign_test_and_bootstrap():
@@ -46,5 +57,7 @@ def test_sign_test_and_bootstrap():
     assert pool_rounds.sign_test(0, 5) == 1.0
     low, high = pool_rounds.bootstrap_median([1.0] * 7, 200, 0)
     assert low == high == 1.0
-    low, high = pool_rounds.bootstrap_median([0.5, 1.0, 1.5, 2.0, 2.5], 2000, 0)
-    assert 0.5 <= low < 1.5 < high <= 2.5
+    # the median of 0..40 has a standard error of about 2.3: a 95 % interval of about ±4.5,
+    # well inside the range (0, 40) and the quartiles (10, 30)
+    low, high = pool_rounds.bootstrap_median([float(v) for v in range(41)], 20000, 0)
+    assert 13 <= low <= 18 and 22 <= high <= 27
