@@ -119,6 +119,7 @@ def zeropower_via_newtonschulz(
     symmetric_panels: int = 1,
     overwrite_input: bool = False,
     symmetric_kernel: bool = False,
+    polynomial_form: bool = False,
 ) -> Tensor:
     """Approximate the orthogonal polar factor of ``matrix`` (2-D, or a batch of same-shape 3-D).
 
@@ -130,6 +131,11 @@ def zeropower_via_newtonschulz(
     ``overwrite_input``: ``matrix`` (already of ``dtype``) may be used as scratch, saving a copy
     (otherwise ``matrix`` is never modified). float16: see :func:`_wide_ns_input`.
     ``symmetric_kernel``: the same, by the Triton kernel of :mod:`.symmetric` where it runs.
+    ``polynomial_form`` (with panels or the kernel only; experimental, for the benchmarks):
+    each iteration as X ← P·X with P = aI + bA + cA² formed by the symmetric product, instead
+    of aX + (bA + cA²)X: the same FLOPs without copying X into the last product's output. The
+    kernel adds ``a`` in float32 before rounding P once; elsewhere ``a`` is added to the
+    rounded product, a second rounding of the diagonal.
     """
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
     if symmetric_panels > 1 or symmetric_kernel:
@@ -138,6 +144,10 @@ def zeropower_via_newtonschulz(
         for i in range(ns_steps):
             a, b, c = coefficients[min(i, len(coefficients) - 1)]
             gram = symmetric_matmul(x, x.mT, **sym)
+            if polynomial_form:
+                poly = symmetric_matmul(gram, gram, addend=gram, beta=b, alpha=c, diagonal=a, **sym)
+                x = poly @ x
+                continue
             gram_update = symmetric_matmul(gram, gram, addend=gram, beta=b, alpha=c, **sym)
             x = (torch.baddbmm if x.ndim == 3 else torch.addmm)(x, gram_update, x, beta=a)
     elif matrix.ndim == 2:

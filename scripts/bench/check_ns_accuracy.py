@@ -23,11 +23,13 @@ from dmuon_titan import newton_schulz
 from dmuon_titan.plan import cost
 
 SPECTRA = ("gauss", "powerlaw1", "powerlaw2", "lowrank16")
-#: name -> (algorithm, dtype, Gram restarts, symmetric panels or "k": the Triton kernel)
+#: name -> (algorithm, dtype, Gram restarts, symmetric panels, or "k": the Triton kernel, or
+#: "kp": the kernel with X ← P·X)
 METHODS = {
     "plain_bf16": ("plain", torch.bfloat16, (), 1),
     "plain_fp16": ("plain", torch.float16, (), 1),
     "plain_k_bf16": ("plain", torch.bfloat16, (), "k"),
+    "plain_kp_bf16": ("plain", torch.bfloat16, (), "kp"),
     "gram_bf16": ("gram", torch.bfloat16, cost.DEFAULT_GRAM_RESTARTS, 1),
     "gram_k_bf16": ("gram", torch.bfloat16, cost.DEFAULT_GRAM_RESTARTS, "k"),
     "gram_p4_bf16": ("gram", torch.bfloat16, cost.DEFAULT_GRAM_RESTARTS, 4),
@@ -61,8 +63,10 @@ def make_matrix(shape, spectrum: str, device, seed: int = 0) -> torch.Tensor:
 
 def run(method: str, g: torch.Tensor, coefficients) -> torch.Tensor:
     algorithm, dtype, restarts, panels = METHODS[method]
-    kernel = {"symmetric_kernel": panels == "k"}
+    kernel = {"symmetric_kernel": panels in ("k", "kp")}
     if algorithm == "plain":
+        if panels == "kp":  # X ← P·X (polynomial_form)
+            kernel["polynomial_form"] = True
         return newton_schulz.zeropower_via_newtonschulz(g, coefficients, 5, 1e-7, dtype, **kernel)
     panels = 1 if panels == "k" else panels
     return newton_schulz.gram_newton_schulz(

@@ -142,6 +142,20 @@ def test_plain_ns_with_symmetric_panels_is_plain_ns_in_float64(shape, panels):
     torch.testing.assert_close(paneled, plain, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("shape", [(40, 40), (3, 40, 40), (24, 80), (80, 24)])
+@pytest.mark.parametrize("route", [{"symmetric_panels": 2}, {"symmetric_kernel": True}])
+def test_polynomial_form_is_plain_ns_in_float64(shape, route):
+    """X ← (aI + bA + cA²)·X is the same iteration (off CUDA the kernel route falls back to
+    the torch products; its bf16 rounding is measured on the GPU, check_ns_accuracy.py)."""
+    g = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    coeffs = newton_schulz.NS_COEFFICIENT_SETS["polar_express"]
+    plain = newton_schulz.zeropower_via_newtonschulz(g, coeffs, 6, 1e-7, torch.float64)
+    p_form = newton_schulz.zeropower_via_newtonschulz(
+        g, coeffs, 6, 1e-7, torch.float64, polynomial_form=True, **route
+    )
+    torch.testing.assert_close(p_form, plain, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("shape", [(12, 30), (2, 12, 30), (10, 10)])
 @pytest.mark.parametrize("panels", [1, 2, 3, 4, 7])
 def test_symmetric_matmul_is_the_product(shape, panels):
