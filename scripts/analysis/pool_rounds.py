@@ -3,8 +3,9 @@
 
 Reads the summaries that ``scripts/run/small_scale.sh OUT throughput`` writes (the tables of
 ``titan_log_summary.py``: one row per run, named ``throughput_<variant>_<round>.log``). In each
-file a round pairs every variant's run with AdamW's run of the same round number; a round
-without AdamW's run, or a variant without its run, is left out. Prints one row per round, then
+file a round pairs every variant's run with the baseline's run of the same round number
+(``--baseline``, AdamW's by default; ``adamw_w`` for the runs with a data-loader worker); a
+round without the baseline's run, or a variant without its run, is left out. Prints one row per round, then
 per variant the median and mean ratio, how many rounds reach ``--threshold``, a seeded
 bootstrap interval of the median, and a one-sided sign test of "a round reaches the threshold
 more often than not" (the chance of that many or more under a coin flip).
@@ -47,16 +48,17 @@ def read_runs(path: Path) -> dict[tuple[str, int], float]:
     return runs
 
 
-def paired_rounds(paths: list[Path]) -> list[dict]:
-    """One record per (file, round) with AdamW's tok/s and each variant's ratio to it."""
+def paired_rounds(paths: list[Path], baseline: str = "adamw") -> list[dict]:
+    """One record per (file, round): the baseline's tok/s (``"base"``) and every other
+    variant's ratio to it (by the variant's name)."""
     rounds = []
     for path in paths:
         runs = read_runs(path)
-        for number in sorted({r for v, r in runs if v == "adamw"}):
-            base = runs[("adamw", number)]
-            ratios = {v: t / base for (v, r), t in runs.items() if r == number and v != "adamw"}
+        for number in sorted({r for v, r in runs if v == baseline}):
+            base = runs[(baseline, number)]
+            ratios = {v: t / base for (v, r), t in runs.items() if r == number and v != baseline}
             if ratios:
-                rounds.append({"file": str(path), "round": number, "adamw": base, **ratios})
+                rounds.append({"file": str(path), "round": number, "base": base, **ratios})
     return rounds
 
 
@@ -77,17 +79,20 @@ def sign_test(reached: int, n: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("summaries", nargs="+", type=Path)
+    parser.add_argument(
+        "--baseline", default="adamw", help="the variant the others are paired with"
+    )
     parser.add_argument("--threshold", type=float, default=0.90)
     parser.add_argument("--resamples", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    rounds = paired_rounds(args.summaries)
-    variants = sorted({k for r in rounds for k in r} - {"file", "round", "adamw"})
-    print("| summary | round | AdamW tok/s | " + " | ".join(variants) + " |")
+    rounds = paired_rounds(args.summaries, args.baseline)
+    variants = sorted({k for r in rounds for k in r} - {"file", "round", "base"})
+    print(f"| summary | round | {args.baseline} tok/s | " + " | ".join(variants) + " |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in variants) + " |")
     for r in rounds:
         cells = [f"{r[v]:.3f}" if v in r else "-" for v in variants]
-        print(f"| {r['file']} | {r['round']} | {r['adamw']:,.0f} | " + " | ".join(cells) + " |")
+        print(f"| {r['file']} | {r['round']} | {r['base']:,.0f} | " + " | ".join(cells) + " |")
     print()
     print(
         f"| variant | rounds | median | mean | rounds ≥ {args.threshold:.2f} | 95 % bootstrap "

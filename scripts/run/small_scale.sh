@@ -5,7 +5,10 @@
 #               (default 2) of STEPS steps (default 300) with validation every 100 and logs every 10 steps: median training and
 #               validation (forward only) tok/s per run, by scripts/analysis/titan_log_summary.py;
 #               VARIANTS (default "adamw dmuon") may add dmuon_sync (async_step off: the
-#               captured step on the compute stream) and dmuon_auto (ns_algorithm "auto")
+#               captured step on the compute stream) and dmuon_auto (ns_algorithm "auto"); a
+#               variant ending in _w (adamw_w, dmuon_auto_w, ...) runs with one data-loader
+#               worker (num_workers 1, prefetch_factor 4), so that one call compares the loop
+#               with and without it on the same lease
 #   forward     forward-only (validation) throughput: AdamW and DMuon alternating, ROUNDS
 #               rounds of FWD_STEPS (default 60) training steps with a validation of the whole
 #               split every 10: median validation tok/s per run (the first validation,
@@ -44,12 +47,17 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 python3 -m dmuon_titan.toy --out outputs/assets/tokenizer_8k --vocab-size 8192
-titan() {  # titan NAME VARIANT [overrides...]: VARIANT adamw, dmuon, dmuon_sync or dmuon_auto
+titan() {  # titan NAME VARIANT [overrides...]: VARIANT adamw, dmuon, dmuon_sync or dmuon_auto,
+  # each optionally with _w (one data-loader worker)
   local name=$1 opt=$2 extra=()
   shift 2
+  if [[ $opt == *_w ]]; then
+    opt=${opt%_w}
+    extra=(--training.dataloader.num_workers 1 --training.dataloader.prefetch_factor 4)
+  fi
   case $opt in
-    dmuon_sync) opt=dmuon extra=(--dmuon.no_async_step) ;;
-    dmuon_auto) opt=dmuon extra=(--dmuon.ns_algorithm auto) ;;
+    dmuon_sync) opt=dmuon extra+=(--dmuon.no_async_step) ;;
+    dmuon_auto) opt=dmuon extra+=(--dmuon.ns_algorithm auto) ;;
   esac
   echo "$name: configs/llm170m_${opt}.toml $* ${extra[*]} ${TITAN_ARGS:-}" >>"$OUT/commands.txt"
   ${PIN:+taskset -c "$PIN"} torchrun --standalone --nproc_per_node=1 --role rank --tee 3 \

@@ -36,11 +36,24 @@ def test_rounds_pair_by_number_within_a_file(tmp_path):
         HEADER + _row("throughput_adamw_1.log", 50_000) + _row("throughput_dmuon_1.log", 45_000)
     )
     rounds = pool_rounds.paired_rounds([one, two])
-    assert [(r["round"], r["adamw"]) for r in rounds] == [(1, 100_000), (2, 80_000), (1, 50_000)]
+    assert [(r["round"], r["base"]) for r in rounds] == [(1, 100_000), (2, 80_000), (1, 50_000)]
     assert rounds[0]["dmuon_auto"] == 0.9 and rounds[0]["dmuon"] == 1.2
     assert rounds[1]["dmuon"] == 0.75 and "dmuon_auto" not in rounds[1]
     assert rounds[1]["dmuon_z3"] == 0.5
     assert rounds[2]["dmuon"] == 0.9
+
+
+def test_another_baseline(tmp_path):
+    worker = tmp_path / "worker.md"
+    worker.write_text(
+        HEADER
+        + _row("throughput_adamw_1.log", 150_000)
+        + _row("throughput_adamw_w_1.log", 200_000)
+        + _row("throughput_dmuon_auto_w_1.log", 170_000)
+    )
+    (record,) = pool_rounds.paired_rounds([worker], baseline="adamw_w")
+    assert record["base"] == 200_000
+    assert record["adamw"] == 0.75 and record["dmuon_auto_w"] == 0.85
 
 
 def test_a_run_listed_twice_is_refused(tmp_path):
