@@ -144,12 +144,15 @@ def zeropower_via_newtonschulz(
         for i in range(ns_steps):
             a, b, c = coefficients[min(i, len(coefficients) - 1)]
             gram = symmetric_matmul(x, x.mT, **sym)
+            # bA + cA², plus aI in the polynomial form
+            diagonal = a if polynomial_form else 0.0
+            poly = symmetric_matmul(
+                gram, gram, addend=gram, beta=b, alpha=c, diagonal=diagonal, **sym
+            )
             if polynomial_form:
-                poly = symmetric_matmul(gram, gram, addend=gram, beta=b, alpha=c, diagonal=a, **sym)
                 x = poly @ x
-                continue
-            gram_update = symmetric_matmul(gram, gram, addend=gram, beta=b, alpha=c, **sym)
-            x = (torch.baddbmm if x.ndim == 3 else torch.addmm)(x, gram_update, x, beta=a)
+            else:
+                x = (torch.baddbmm if x.ndim == 3 else torch.addmm)(x, poly, x, beta=a)
     elif matrix.ndim == 2:
         divide_(x, x.norm().clamp(min=eps))
         for i in range(ns_steps):
