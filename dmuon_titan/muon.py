@@ -86,13 +86,6 @@ class Muon(torch.optim.Optimizer):
             (an EMA of the weights, a norm logged) must call
             ``wait_all_replicate_broadcasts(model)`` first, hence off by default (the
             torchtitan plugin, whose loop is known, turns it on). Same results.
-        staged_step: with ``async_step``, step the matrices boundary by boundary in the
-            model's order (momentum, NS and update of one boundary's matrices, then the
-            next's), and let each boundary's next forward wait only for its own matrices:
-            the forward of the first blocks runs while the GPU still orthogonalizes the
-            last. NS batches then hold one boundary's matrices (other rounding than the
-            whole step's batches, same math). Only the captured step is staged; without
-            ``async_step`` it runs in that order on the compute stream.
     """
 
     def __init__(
@@ -120,7 +113,6 @@ class Muon(torch.optim.Optimizer):
         ns_algorithm: str | None = None,
         cuda_graph: bool = True,
         async_step: bool = False,
-        staged_step: bool = False,
     ) -> None:
         options = MuonOptions(
             lr=lr,
@@ -142,7 +134,6 @@ class Muon(torch.optim.Optimizer):
             ns_algorithm=ns_algorithm,
             cuda_graph=cuda_graph,
             async_step=async_step,
-            staged_step=staged_step,
         )
         self._dmuon: DMuonState | None = getattr(model, STATE_ATTR, None)
         planned = self._dmuon.plan.ns_algorithm if self._dmuon is not None else "plain"
@@ -178,9 +169,6 @@ class Muon(torch.optim.Optimizer):
         self.timer = PhaseTimer(device)
         #: the captured step of the matrices (one rank on a GPU; see ``cuda_graph``)
         self.step_graph = MuonStepGraph(async_step=options.async_step)
-        #: ``staged_step``'s stages: consecutive boundaries (by index) per stage; more than
-        #: one keeps NS batches larger (a benchmark switch, not an option)
-        self.boundaries_per_stage = 1
         if self._dmuon is not None:  # (its forward, backward and state dicts wait for it)
             self._dmuon.step_graphs.add(self.step_graph)
         self.register_step_pre_hook(Muon._before_step)
@@ -300,31 +288,12 @@ class Muon(torch.optim.Optimizer):
         if self._graph_eligible(group, todo):
             buffers = [self._momentum_buffer(p) for p in todo]  # (made by the check above)
 
-            def body(scalars: StepScalars) -> None:  # (runs only to record: once per capture)
-                stages = self._stages(todo)
-                if stages is None:
-                    self._step_matrices(group, todo, coefficients, scalars)
-                    return
-                for stage, params in stages:
-                    self._step_matrices(group, params, coefficients, scalars)
-                    self.step_graph.mark_stage(stage)
+            def body(scalars: StepScalars) -> None:
+                self._step_matrices(group, todo, coefficients, scalars)
 
             if self.step_graph.run(group, todo, buffers, body):
                 return
         self._step_matrices(group, todo, coefficients)
-
-    def _stages(self, todo: list[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]] | None:
-        """``staged_step``'s order of ``todo`` (:func:`stage_order`), and the step graph told
-        which stage each boundary waits for; ``None`` when the step is not staged."""
-        if not (self.options.staged_step and self._dmuon):
-            return None
-        per = self.boundaries_per_stage
-        boundary_stage = {g.index: g.index // per for g in self._dmuon.groups}
-        stage_of = {
-            id(p.owned): boundary_stage[g.index] for g in self._dmuon.groups for p in g.params
-        }
-        self.step_graph.boundary_stage = boundary_stage
-        return stage_order(todo, stage_of)
 
     def _graph_eligible(self, group: dict[str, Any], todo: list[torch.Tensor]) -> bool:
         """Whether the matrices' step may run as a CUDA graph (see ``cuda_graph``): the
@@ -654,17 +623,6 @@ def _param_groups(options: MuonOptions, muon_params: list, other_params: list) -
         "decoupled_weight_decay": True,
     }
     return [muon_group, adamw_group]
-
-
-def stage_order(
-    params: Sequence[torch.Tensor], stage_of: dict[int, int]
-) -> list[tuple[int, list[torch.Tensor]]]:
-    """``params`` grouped by their stage (``stage_of[id(p)]``), stages in increasing order,
-    params in their order within one: ``[(stage, params), ...]``."""
-    by_stage: dict[int, list[torch.Tensor]] = {}
-    for p in params:
-        by_stage.setdefault(stage_of[id(p)], []).append(p)
-    return sorted(by_stage.items(), key=lambda item: item[0])
 
 
 def ns_chunks(

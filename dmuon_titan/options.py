@@ -116,13 +116,11 @@ class MuonOptions:
     ns_algorithm: str | None = None
     cuda_graph: bool = True
     async_step: bool = False
-    staged_step: bool = False
 
     def __post_init__(self) -> None:
         check = _Checks("Muon", self)
         check.boolean("cuda_graph")
         check.boolean("async_step")
-        check.boolean("staged_step")
         if self.adamw_lr is None:
             if self.adjust_lr_fn != "match_rms_adamw":
                 raise check.fail(

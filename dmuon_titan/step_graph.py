@@ -138,15 +138,6 @@ class MuonStepGraph:
         self.disabled = False
         #: the matrices the held graph steps
         self.params: list[torch.Tensor] = []
-        #: ``staged_step``: the stage each boundary (by index) waits for, one event per stage
-        #: recorded inside the graph after the stage's updates, and the stages the held graph
-        #: records (a boundary of another stage waits for the whole replay)
-        self.boundary_stage: dict[int, int] = {}
-        self.stage_events: dict[int, torch.cuda.Event] = {}
-        self.staged: frozenset[int] = frozenset()
-        self._marked: set[int] = set()
-        #: the side stream's priority (CUDA's: lower is higher); a benchmark switch
-        self.stream_priority = 0
 
     @staticmethod
     def _key(group: dict[str, Any], params: list[torch.Tensor], buffers) -> tuple:
@@ -197,9 +188,7 @@ class MuonStepGraph:
             self.warmed = True
             return True
         if recording:
-            self._marked = set()
             self.graph, self.key, self.params = self._capture(body), key, list(params)
-            self.staged = frozenset(self._marked)
             if self.asynchronous:
                 self._share_with_side_stream(params, buffers)
             self.captures += 1
@@ -212,24 +201,9 @@ class MuonStepGraph:
         """Whether replays run on :attr:`stream` (``async_step``, on a GPU)."""
         return self.async_step and self.scalars is not None and self.scalars.device.type == "cuda"
 
-    def mark_stage(self, stage: int) -> None:
-        """Inside the step's body: the matrices of ``stage`` are updated. Captured, it
-        records that stage's event in the graph (an external event: it fires at each replay,
-        for streams outside the graph to wait on)."""
-        if self.scalars is None or self.scalars.device.type != "cuda":
-            return
-        if not torch.cuda.is_current_stream_capturing():
-            return  # (the eager first step runs on the compute stream: nothing to wait for)
-        if stage not in self.stage_events:
-            self.stage_events[stage] = torch.cuda.Event(external=True)
-        self.stage_events[stage].record()
-        self._marked.add(stage)
-
     def _side_stream(self) -> torch.cuda.Stream:
         if self.stream is None:
-            self.stream = torch.cuda.Stream(
-                device=self.scalars.device, priority=self.stream_priority
-            )
+            self.stream = torch.cuda.Stream(device=self.scalars.device)
             self.done = torch.cuda.Event()
         return self.stream
 
@@ -251,25 +225,12 @@ class MuonStepGraph:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def wait(self, boundary: int | None = None) -> None:
-        """Make the current stream wait (on the GPU) for the last replay, or with a
-        ``boundary`` (index) of a staged step for the part that updates its matrices; nothing
-        without asynchronous replays, or while the current stream is being captured (a wait
-        on an outside event would void it)."""
-        if self.done is None or torch.cuda.is_current_stream_capturing():
-            return
-        torch.cuda.current_stream(self.stream.device).wait_event(self.event_for(boundary))
-
-    def event_for(self, boundary: int | None) -> torch.cuda.Event:
-        """What :meth:`wait` waits for: the stage event of ``boundary``'s stage where the held
-        graph records one, else the whole replay's."""
-        stage = self.boundary_stage.get(boundary) if boundary is not None else None
-        return self.stage_events[stage] if stage in self.staged else self.done
-
-    @property
-    def is_staged(self) -> bool:
-        """Whether the held graph's replays are waited for boundary by boundary."""
-        return bool(self.staged) and self.done is not None
+    def wait(self) -> None:
+        """Make the current stream wait (on the GPU) for the last replay; nothing without
+        asynchronous replays, or while the current stream is being captured (a wait on an
+        outside event would void it)."""
+        if self.done is not None and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.stream.device).wait_event(self.done)
 
     def _share_with_side_stream(self, params: list[torch.Tensor], buffers) -> None:
         """Tell the caching allocator that the side stream uses what the graph reads and

@@ -160,8 +160,8 @@ class DMuonState:
         if in_backward():
             return
         self.lazy_init()
-        if self.direct:  # (a staged step is waited for by each boundary, for its matrices)
-            self.wait_for_step(staged_by_boundaries=True)
+        if self.direct:
+            self.wait_for_step()
             return
         self._end_forward_pass()  # one left open by forwards of submodules alone
         self._pass = ForwardCursor(training=torch.is_grad_enabled())
@@ -178,7 +178,7 @@ class DMuonState:
     def pre_forward(self, group: BoundaryGroup) -> None:
         self.lazy_init()
         if self.direct:
-            self.wait_for_step(group.index)
+            self.wait_for_step()
             return
         if in_backward():  # activation-checkpoint recompute: backward's turn for the boundary
             self._begin_backward()
@@ -427,17 +427,11 @@ class DMuonState:
         for group in self.groups:
             group.wait_replicate()
 
-    def wait_for_step(
-        self, boundary: int | None = None, staged_by_boundaries: bool = False
-    ) -> None:
+    def wait_for_step(self) -> None:
         """The current stream waits (on the GPU) for an optimizer step still in flight on its
-        own stream (``Muon(async_step=True)``); nothing otherwise. ``boundary``: only for the
-        part of a staged step (``Muon(staged_step=True)``) that updates that boundary's
-        matrices; ``staged_by_boundaries``: not at all for a staged step (the caller's
-        boundaries each wait for theirs)."""
+        own stream (``Muon(async_step=True)``); nothing otherwise."""
         for graph in self.step_graphs:
-            if not (staged_by_boundaries and graph.is_staged):
-                graph.wait(boundary)
+            graph.wait()
 
     def ensure_replicas_synced(self) -> None:
         if not self._replicas_synced:

@@ -153,12 +153,6 @@ class DMuon:
     GPU, checkpoint saves on the host. Same results. The logged ``optimizer`` time then ends
     when the side stream's step does. false: replayed on the compute stream."""
 
-    staged_step: bool = False
-    """With ``async_step``: step the Muon matrices block by block in the model's order, and let
-    each block's next forward wait only for its own matrices, so the forward of the first
-    blocks runs beside Newton-Schulz of the last. NS then batches one block's matrices at a
-    time (other rounding, same math)."""
-
     def __post_init__(self) -> None:
         validate(self)
 
@@ -200,7 +194,6 @@ class DMuon:
             ns_algorithm=self.ns_algorithm,
             cuda_graph=self.cuda_graph,
             async_step=self.async_step,
-            staged_step=self.staged_step,
         )
 
 

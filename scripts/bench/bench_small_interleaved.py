@@ -15,9 +15,7 @@ Muon on the default matrices, fused AdamW on the rest, the captured step on its 
 ``dmuon_sync`` (the same, ``async_step=False``: replayed on the compute stream), ``dmuon_eager``
 (the same, ``cuda_graph=False``), ``dmuon_auto`` (``dmuon`` with ``ns_algorithm="auto"``: Gram NS
 and the symmetric kernel where they are faster; same math, other rounding), ``torch_muon`` (``torch.optim.Muon`` on the same matrices +
-fused AdamW), ``dmuon_staged``/``dmuon_auto_staged`` (``staged_step``: the next forward's
-blocks wait each for their own matrices; ``N`` after ``staged``: N boundaries per stage;
-``_hi`` at the end: a high-priority side stream). bf16 autocast on CUDA, as torchtitan's single-device training. ``--h2d`` keeps
+fused AdamW). bf16 autocast on CUDA, as torchtitan's single-device training. ``--h2d`` keeps
 the batches on the host and copies each to the GPU as torchtitan does (a blocking copy: the
 host waits for the compute stream), otherwise they stay on the GPU.
 
@@ -30,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import re
 import statistics
 import time
 
@@ -56,7 +53,7 @@ def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: 
     predicate = muon_predicate([], model)
     if variant.startswith("dmuon"):
         mesh = init_device_mesh(device.type, (1,))
-        algorithm = "auto" if variant.startswith("dmuon_auto") else "plain"
+        algorithm = "auto" if variant == "dmuon_auto" else "plain"
         dmuon.dedicate_params(model, mesh, predicate, ns_algorithm=algorithm)
     model.to_empty(device=device)
     with torch.no_grad():
@@ -70,14 +67,7 @@ def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: 
             adamw_fused=device.type == "cuda",
             cuda_graph=variant != "dmuon_eager",
             async_step=variant != "dmuon_sync",
-            staged_step="_staged" in variant,
         )
-        # dmuon[_auto]_staged[N][_hi]: N boundaries per stage; _hi: a high-priority side stream
-        stage = re.search(r"_staged(\d*)", variant)
-        if stage and stage.group(1):
-            optimizer.boundaries_per_stage = int(stage.group(1))
-        if variant.endswith("_hi"):
-            optimizer.step_graph.stream_priority = -1
         return model, [optimizer]
     if variant == "adamw":
         return model, [

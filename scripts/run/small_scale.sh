@@ -5,8 +5,7 @@
 #               (default 2) of STEPS steps (default 300) with validation every 100 and logs every 10 steps: median training and
 #               validation (forward only) tok/s per run, by scripts/analysis/titan_log_summary.py;
 #               VARIANTS (default "adamw dmuon") may add dmuon_sync (async_step off: the
-#               captured step on the compute stream), dmuon_auto (ns_algorithm "auto"),
-#               dmuon_staged and dmuon_auto_staged (staged_step on); a
+#               captured step on the compute stream) and dmuon_auto (ns_algorithm "auto"); a
 #               variant ending in _w (adamw_w, dmuon_auto_w, ...) runs with one data-loader
 #               worker (num_workers 1, prefetch_factor 4), so that one call compares the loop
 #               with and without it on the same lease
@@ -59,8 +58,6 @@ titan() {  # titan NAME VARIANT [overrides...]: VARIANT adamw, dmuon, dmuon_sync
   case $opt in
     dmuon_sync) opt=dmuon extra+=(--dmuon.no_async_step) ;;
     dmuon_auto) opt=dmuon extra+=(--dmuon.ns_algorithm auto) ;;
-    dmuon_staged) opt=dmuon extra+=(--dmuon.staged_step) ;;
-    dmuon_auto_staged) opt=dmuon extra+=(--dmuon.ns_algorithm auto --dmuon.staged_step) ;;
   esac
   echo "$name: configs/llm170m_${opt}.toml $* ${extra[*]} ${TITAN_ARGS:-}" >>"$OUT/commands.txt"
   ${PIN:+taskset -c "$PIN"} torchrun --standalone --nproc_per_node=1 --role rank --tee 3 \

@@ -2,7 +2,6 @@
 
 Skipped cleanly without CUDA; run on one H200 (result in docs/benchmarks.md)."""
 
-import contextlib
 from unittest import mock
 
 import pytest
@@ -168,9 +167,7 @@ def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> l
     written on the compute stream, as the next step's first allocations are before its
     forward waits (they must not get the dropped gradients' blocks while the replay is still
     to read them). Odd steps: forward, ``zero_grad``, backward, step. Nothing else waits in between: each loss is read
-    by the next forward alone. Right after some steps one reader each (``*_STEP``). A
-    staged step (``staged_step``) is also held back before each stage, inside the graph: a
-    boundary that waited for an earlier stage than its own would read its old matrices."""
+    by the next forward alone. Right after some steps one reader each (``*_STEP``)."""
     replay = torch.cuda.CUDAGraph.replay
 
     def delayed_replay(graph) -> None:
@@ -187,10 +184,6 @@ def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> l
     out = []
     with mock.patch.object(torch.cuda.CUDAGraph, "replay", delayed_replay):
         for cfg in configs:
-            stack = contextlib.ExitStack()
-            if cfg.staged_step:
-                stack.enter_context(delayed_stages())
-            stack.__enter__()
             model, optimizer = build_dmuon(cfg, world_size)
             matrices = optimizer.param_groups[0]["params"]
             probe = batch(cfg, 99).to(cfg.device)
@@ -233,7 +226,6 @@ def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> l
                 k: v.cpu() if isinstance(v, torch.Tensor) else {n: t.cpu() for n, t in v.items()}
                 for k, v in record.items()
             }
-            stack.close()
             graph = optimizer.step_graph
             out.append(
                 {
@@ -241,23 +233,9 @@ def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> l
                     **record,
                     "side": graph.stream is not None,
                     "replays": graph.replays,
-                    "staged": sorted(graph.staged),
                 }
             )
     return out
-
-
-def delayed_stages():
-    """Hold each part of a captured step that ``Muon._step_matrices`` issues (each stage of
-    a staged step) back by ``DELAY_CYCLES`` on the GPU, inside the graph."""
-    step_matrices = dmuon.Muon._step_matrices
-
-    def delayed(self, *args, **kwargs):
-        if torch.cuda.is_current_stream_capturing():
-            torch.cuda._sleep(DELAY_CYCLES)
-        return step_matrices(self, *args, **kwargs)
-
-    return mock.patch.object(dmuon.Muon, "_step_matrices", delayed)
 
 
 def test_the_asynchronous_step_is_waited_for_by_everything_that_reads_it():
@@ -282,57 +260,6 @@ def test_the_asynchronous_step_is_waited_for_by_everything_that_reads_it():
         assert overlapped[kind].keys() == inline[kind].keys()
         for key, value in inline[kind].items():
             assert torch.equal(overlapped[kind][key], value), (kind, key)
-
-
-def test_a_staged_step_is_waited_for_boundary_by_boundary():
-    """``staged_step``: the captured step in stages, one per boundary (the toy's three
-    blocks), each held back before it runs. Every reader of the test above (the next
-    forward's boundaries each waiting for their own stage) sees bitwise what the same
-    staged replays on the current stream give."""
-    cfg = RunConfig(ns_dtype=torch.bfloat16, device="cuda", steps=10, staged_step=True)
-    overlapped, inline = run_ranks(
-        delayed_step_work, 1, [cfg, with_(cfg, async_step=False)], backend="nccl"
-    )[0]
-    assert overlapped["side"] and not inline["side"]
-    assert len(overlapped["staged"]) == len(inline["staged"]) == 3
-    assert overlapped["replays"] == inline["replays"] == cfg.steps - 1
-    assert torch.equal(overlapped["losses"], inline["losses"])
-    assert torch.equal(overlapped["logits"], inline["logits"])
-    for kind in ("mirror", "state_dict", "momenta", "weights"):
-        assert overlapped[kind].keys() == inline[kind].keys()
-        for key, value in inline[kind].items():
-            assert torch.equal(overlapped[kind][key], value), (kind, key)
-
-
-def first_block_before_the_step_ends(rank: int, world_size: int, configs) -> list[bool]:
-    """Per config: after a few steps, one more step held back before each stage, then a
-    forward; whether the first block's forward was done while the step still ran."""
-    out = []
-    for cfg in configs:
-        with delayed_stages():
-            model, optimizer = build_dmuon(cfg, world_size)
-            for step in range(cfg.steps):
-                train_step(cfg, model, optimizer, step, rank, world_size)
-            first_done = torch.cuda.Event()
-            hook = model.layers[0].register_forward_hook(lambda *_, done=first_done: done.record())
-            tokens = batch(cfg, 99).to(cfg.device)
-            with torch.no_grad():
-                model(tokens)
-            first_done.synchronize()
-            out.append(not optimizer.step_graph.done.query())
-            hook.remove()
-            torch.cuda.synchronize()
-    return out
-
-
-def test_the_next_forward_runs_beside_a_staged_step():
-    """With ``staged_step`` the first block's forward is done while the step's last stage
-    is still held back; without it the forward waits for the whole step."""
-    cfg = RunConfig(ns_dtype=torch.bfloat16, device="cuda", steps=4, staged_step=True)
-    staged, whole = run_ranks(
-        first_block_before_the_step_ends, 1, [cfg, with_(cfg, staged_step=False)], backend="nccl"
-    )[0]
-    assert staged and not whole
 
 
 def test_shared_newton_schulz_in_bfloat16_on_the_gpu():

@@ -90,7 +90,6 @@ class RunConfig:
     tp_ns: str = "auto"  # dedicate_params(tp_ns=...): who runs NS under TP
     cuda_graph: bool = True  # Muon(cuda_graph=...): one rank on a GPU captures the step
     async_step: bool = True  # Muon(async_step=...): the captured step on a side stream
-    staged_step: bool = False  # Muon(staged_step=...): waited for boundary by boundary
 
 
 #: MoE data: the expert residues (token % 4) each block of rows may use. Whatever the world
@@ -321,7 +320,6 @@ def build_optimizer(cfg: RunConfig, model) -> dmuon.Muon:
         adamw_weight_decay=cfg.weight_decay,
         cuda_graph=cfg.cuda_graph,
         async_step=cfg.async_step,
-        staged_step=cfg.staged_step,
     )
 
 

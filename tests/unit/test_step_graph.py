@@ -36,20 +36,12 @@ class _ReplayedBody:
         self.body(scalars)
 
 
-def _train(
-    cpu_mesh, graph: bool, steps: int = 4, keep_grads: bool = True, freeze_at=None, staged=False
-):
+def _train(cpu_mesh, graph: bool, steps: int = 4, keep_grads: bool = True, freeze_at=None):
     torch.manual_seed(0)
     model = ToyTransformer().double()
     dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
     optimizer = dmuon.Muon(
-        model,
-        lr=0.02,
-        adamw_lr=1e-3,
-        ns_dtype=torch.float64,
-        adjust_lr_fn="match_rms_adamw",
-        async_step=staged,
-        staged_step=staged,
+        model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64, adjust_lr_fn="match_rms_adamw"
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     patches = (
@@ -78,49 +70,6 @@ def test_captured_step_equals_the_eager_step_and_follows_the_lr_schedule(cpu_mes
     assert record.warmed and record.captures == 1 and record.replays == 3
     worst = max((eager[k] - graphed[k]).abs().max().item() for k in eager)
     assert worst <= 1e-14, worst  # (multiply-then-add vs the fused update: last-bit rounding)
-
-
-def test_a_staged_step_runs_boundary_by_boundary_and_equals_the_eager_step(cpu_mesh):
-    """``staged_step``: the recorded step issues each boundary's matrices (momentum, NS,
-    update) in the boundaries' order, then the next boundary's; same weights as the eager
-    step."""
-    calls = []
-    step_matrices = Muon._step_matrices
-
-    def noting(self, group, todo, *args, **kwargs):
-        if args[-1] is not None or kwargs.get("scalars") is not None:  # (the recorded step)
-            calls.append([self._names[id(p)] for p in todo])
-        return step_matrices(self, group, todo, *args, **kwargs)
-
-    with mock.patch.object(Muon, "_step_matrices", noting):
-        graphed, record = _train(cpu_mesh, graph=True, staged=True)
-    eager, _ = _train(cpu_mesh, graph=False)
-    assert max((eager[k] - graphed[k]).abs().max().item() for k in eager) <= 1e-14
-    # four steps (the eager first one, then the stand-in's replays re-run the body), three
-    # blocks each
-    assert len(calls) == 12
-    for i, names in enumerate(calls[:3]):
-        assert names and all(name.startswith(f"layers.{i}.") for name in names), names
-    assert calls[3:6] == calls[6:9] == calls[9:] == calls[:3]
-    assert sorted(record.boundary_stage.values()) == [0, 1, 2]
-
-
-def test_a_boundary_waits_for_its_own_stage_or_for_the_whole_step():
-    """:meth:`MuonStepGraph.event_for`: a boundary's stage event where the held graph records
-    that stage, the whole replay's event otherwise (no boundary, a boundary whose stage the
-    graph did not record, an unstaged graph)."""
-    graph = step_graph.MuonStepGraph(async_step=True)
-    done, first, second = object(), object(), object()
-    graph.done = done
-    assert graph.event_for(0) is done and graph.event_for(None) is done
-    graph.boundary_stage = {0: 0, 1: 0, 2: 1, 3: 2}
-    graph.stage_events = {0: first, 1: second}
-    graph.staged = frozenset({0, 1})
-    assert graph.is_staged
-    assert graph.event_for(0) is first and graph.event_for(1) is first
-    assert graph.event_for(2) is second
-    assert graph.event_for(3) is done  # (stage 2: not in the held graph)
-    assert graph.event_for(None) is done and graph.event_for(7) is done
 
 
 def test_moved_gradients_recapture_then_give_up(cpu_mesh):
@@ -175,12 +124,10 @@ def test_a_matrix_without_a_gradient_is_skipped_as_torch_optim_skips_it(cpu_mesh
 class _CountingWait:
     """Stands in for a captured step in flight: counts the waits asked of it."""
 
-    is_staged = False
-
     def __init__(self) -> None:
         self.waits = 0
 
-    def wait(self, boundary=None) -> None:
+    def wait(self) -> None:
         self.waits += 1
 
 
