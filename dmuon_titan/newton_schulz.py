@@ -131,11 +131,11 @@ def zeropower_via_newtonschulz(
     ``overwrite_input``: ``matrix`` (already of ``dtype``) may be used as scratch, saving a copy
     (otherwise ``matrix`` is never modified). float16: see :func:`_wide_ns_input`.
     ``symmetric_kernel``: the same, by the Triton kernel of :mod:`.symmetric` where it runs.
-    ``polynomial_form`` (with panels or the kernel only; experimental, for the benchmarks):
-    each iteration as X ← P·X with P = aI + bA + cA² formed by the symmetric product, instead
-    of aX + (bA + cA²)X: the same FLOPs without copying X into the last product's output. The
-    kernel adds ``a`` in float32 before rounding P once; elsewhere ``a`` is added to the
-    rounded product, a second rounding of the diagonal.
+    ``polynomial_form`` (with panels or the kernel only): each iteration as X ← P·X with
+    P = aI + bA + cA² formed by the symmetric product, instead of aX + (bA + cA²)X: the same
+    FLOPs without copying X into the last product's output (:func:`orthogonalize` takes it
+    with the kernel). The kernel adds ``a`` in float32 before rounding P once; elsewhere ``a``
+    is added to the rounded product, a second rounding of the diagonal.
     """
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
     if symmetric_panels > 1 or symmetric_kernel:
@@ -240,7 +240,8 @@ def orthogonalize(
     compute their symmetric products (X·Xᵀ, and plain NS's A² as well) by the Triton kernel
     of :mod:`.symmetric` where it runs (CUDA, half precision, sides multiples of its tile);
     elsewhere Gram NS cuts them into row panels on large matrices
-    (:data:`SYMMETRIC_PANELS_MIN_SIDE`) and plain NS is torch.optim.Muon's."""
+    (:data:`SYMMETRIC_PANELS_MIN_SIDE`) and plain NS is torch.optim.Muon's. Plain NS by the
+    kernel runs each iteration as X ← P·X (``polynomial_form``)."""
     choice = ns_algorithm_for(matrix.shape[-2:], algorithm, ns_steps)
     short, long = sorted(matrix.shape[-2:])
     kernel = algorithm != "plain" and symmetric_kernel_runs_for(short, long, dtype, matrix.device)
@@ -257,6 +258,8 @@ def orthogonalize(
             symmetric_kernel=kernel,
         )
     # Plain NS without panels: they measured slower on its shapes (docs/benchmarks.md, "Measurements behind code choices").
+    # With the kernel as X ← P·X: no copy of X into each iteration's last product, and no
+    # less accurate, since the kernel rounds P once (same section).
     return zeropower_via_newtonschulz(
         matrix,
         coefficients,
@@ -265,6 +268,7 @@ def orthogonalize(
         dtype,
         overwrite_input=overwrite_input,
         symmetric_kernel=kernel,
+        polynomial_form=kernel,
     )
 
 
