@@ -120,6 +120,7 @@ def zeropower_via_newtonschulz(
     overwrite_input: bool = False,
     symmetric_kernel: bool = False,
     polynomial_form: bool = False,
+    fold_normalization: bool = False,
 ) -> Tensor:
     """Approximate the orthogonal polar factor of ``matrix`` (2-D, or a batch of same-shape 3-D).
 
@@ -136,18 +137,33 @@ def zeropower_via_newtonschulz(
     FLOPs without copying X into the last product's output (:func:`orthogonalize` takes it
     with the kernel). The kernel adds ``a`` in float32 before rounding P once; elsewhere ``a``
     is added to the rounded product, a second rounding of the diagonal.
+    ``fold_normalization`` (with ``polynomial_form``): no pass dividing X by its norm; the
+    first iteration takes X as it is and scales its two symmetric products instead, A by
+    1/‖X‖² and P by 1/‖X‖ (:func:`inverse_norms`), so P·X is the first iteration's result.
     """
+    if fold_normalization and not polynomial_form:
+        raise ValueError("fold_normalization needs polynomial_form (X <- P X)")
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
     if symmetric_panels > 1 or symmetric_kernel:
-        divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
+        inverse = inverse_norms(x, eps) if fold_normalization else None
+        if inverse is None:
+            divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
         sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}
         for i in range(ns_steps):
             a, b, c = coefficients[min(i, len(coefficients) - 1)]
-            gram = symmetric_matmul(x, x.mT, **sym)
+            folded = inverse is not None and i == 0
+            gram = symmetric_matmul(x, x.mT, scale=inverse.square() if folded else None, **sym)
             # bA + cA², plus aI in the polynomial form
             diagonal = a if polynomial_form else 0.0
             poly = symmetric_matmul(
-                gram, gram, addend=gram, beta=b, alpha=c, diagonal=diagonal, **sym
+                gram,
+                gram,
+                addend=gram,
+                beta=b,
+                alpha=c,
+                diagonal=diagonal,
+                scale=inverse if folded else None,
+                **sym,
             )
             if polynomial_form:
                 x = poly @ x
@@ -170,6 +186,14 @@ def zeropower_via_newtonschulz(
     return x.mT if tall else x
 
 
+def inverse_norms(x: Tensor, eps: float) -> Tensor:
+    """1 / ‖x‖_F per matrix (the norm rounded to ``x``'s dtype and clamped at ``eps``, as the
+    division NS normalizes by), in float32 (float64 for float64 ``x``), of shape
+    ``x.shape[:-2]``."""
+    norm = torch.linalg.matrix_norm(x).clamp(min=eps)
+    return norm.to(torch.promote_types(x.dtype, torch.float32)).reciprocal()
+
+
 #: Gram NS computes its symmetric products in this many row panels (``symmetric_matmul``)
 #: when the short side is at least ``SYMMETRIC_PANELS_MIN_SIDE``: panels pay off on large
 #: matrices only, smaller panels being far from the matmul rate (docs/benchmarks.md, "Measurements behind code choices").
@@ -187,6 +211,7 @@ def gram_newton_schulz(
     symmetric_panels: int = 1,
     overwrite_input: bool = False,
     symmetric_kernel: bool = False,
+    fold_normalization: bool = False,
 ) -> Tensor:
     """The same polynomial iteration as :func:`zeropower_via_newtonschulz`, run on the Gram
     matrix: equal in exact arithmetic, fewer FLOPs when one side is much longer.
@@ -201,17 +226,32 @@ def gram_newton_schulz(
     :func:`symmetric_matmul`.
     2-D or a 3-D batch; returns ``dtype`` in ``matrix``'s shape; ``matrix`` is not modified
     unless ``overwrite_input`` (then, when already of ``dtype``, it is used as scratch).
+    ``fold_normalization``: no pass dividing X by its norm; the first Gram matrix is scaled
+    by 1/‖X‖², and the Q that first multiplies X by 1/‖X‖ (:func:`inverse_norms`).
     """
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
-    divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
+    inverse = inverse_norms(x, eps) if fold_normalization else None
+    if inverse is None:
+        divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
     sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}  # all products but Q·X
     restart_at = {r for r in restarts if 0 < r < ns_steps}
+    first_run_end = min(restart_at | {ns_steps}) - 1  # where Q first multiplies X
     q = None  # None: the identity (X is current)
-    gram = symmetric_matmul(x, x.mT, **sym)
+    gram = symmetric_matmul(x, x.mT, scale=None if inverse is None else inverse.square(), **sym)
     for i in range(ns_steps):
         a, b, c = coefficients[min(i, len(coefficients) - 1)]
-        poly = symmetric_matmul(gram, gram, addend=gram, beta=b, alpha=c, diagonal=a, **sym)
-        q = poly if q is None else symmetric_matmul(poly, q, **sym)
+        scale = inverse if i == first_run_end else None
+        poly = symmetric_matmul(
+            gram,
+            gram,
+            addend=gram,
+            beta=b,
+            alpha=c,
+            diagonal=a,
+            scale=scale if q is None else None,
+            **sym,
+        )
+        q = poly if q is None else symmetric_matmul(poly, q, scale=scale, **sym)
         if i == ns_steps - 1:
             break
         if i + 1 in restart_at:
@@ -241,7 +281,8 @@ def orthogonalize(
     of :mod:`.symmetric` where it runs (CUDA, half precision, sides multiples of its tile);
     elsewhere Gram NS cuts them into row panels on large matrices
     (:data:`SYMMETRIC_PANELS_MIN_SIDE`) and plain NS is torch.optim.Muon's. Plain NS by the
-    kernel runs each iteration as X ← P·X (``polynomial_form``)."""
+    kernel runs each iteration as X ← P·X (``polynomial_form``), and both, by the kernel,
+    fold the normalization into the first products (``fold_normalization``)."""
     choice = ns_algorithm_for(matrix.shape[-2:], algorithm, ns_steps)
     short, long = sorted(matrix.shape[-2:])
     kernel = algorithm != "plain" and symmetric_kernel_runs_for(short, long, dtype, matrix.device)
@@ -256,10 +297,11 @@ def orthogonalize(
             symmetric_panels=panels,
             overwrite_input=overwrite_input,
             symmetric_kernel=kernel,
+            fold_normalization=kernel,
         )
     # Plain NS without panels: they measured slower on its shapes (docs/benchmarks.md, "Measurements behind code choices").
     # With the kernel as X ← P·X: no copy of X into each iteration's last product, and no
-    # less accurate, since the kernel rounds P once (same section).
+    # less accurate, since the kernel rounds P once (same section); so is the fold.
     return zeropower_via_newtonschulz(
         matrix,
         coefficients,
@@ -269,6 +311,7 @@ def orthogonalize(
         overwrite_input=overwrite_input,
         symmetric_kernel=kernel,
         polynomial_form=kernel,
+        fold_normalization=kernel,
     )
 
 

@@ -72,12 +72,16 @@ def symmetric_matmul(
     alpha: float = 1.0,
     diagonal: float = 0.0,
     kernel: bool = False,
+    scale: Tensor | None = None,
 ) -> Tensor:
     """``beta·addend + alpha·(a @ b) + diagonal·I`` for a product known to be symmetric
-    (XXᵀ, or two commuting symmetric matrices), computing only its upper block triangle.
+    (XXᵀ, or two commuting symmetric matrices), computing only its upper block triangle;
+    ``scale`` (float32, one value per matrix of the batch: shape ``a.shape[:-2]``) multiplies
+    each result.
 
-    ``kernel``: by :func:`symmetric_mm` (half the FLOPs, one pass) where it runs
-    (:func:`supported`); otherwise as follows.
+    ``kernel``: by :func:`symmetric_mm` (half the FLOPs, one pass, ``scale`` applied before
+    the one rounding) where it runs (:func:`supported`); otherwise as follows, ``scale``
+    applied to the rounded result.
 
     The m rows are cut into ``panels`` row panels; panel i multiplies only from its diagonal
     block rightwards (m·(m − i·h) outputs instead of m·m), and the blocks below the diagonal
@@ -86,10 +90,14 @@ def symmetric_matmul(
     not divide m, computes the whole product. ``addend`` must be symmetric too. 2-D or 3-D.
     """
     if kernel and supported(a, b):
-        return symmetric_mm(a, b, addend=addend, alpha=alpha, beta=beta, diagonal=diagonal)
+        return symmetric_mm(
+            a, b, addend=addend, alpha=alpha, beta=beta, diagonal=diagonal, scale=scale
+        )
     out = _symmetric_matmul_panels(a, b, panels, addend, beta, alpha)
     if diagonal:
         out.diagonal(dim1=-2, dim2=-1).add_(diagonal)
+    if scale is not None:
+        out.mul_(scale[..., None, None].to(out.dtype))
     return out
 
 
@@ -133,6 +141,7 @@ def symmetric_mm(
     alpha: float = 1.0,
     beta: float = 1.0,
     diagonal: float = 0.0,
+    scale: Tensor | None = None,
     tile: int = TILE,
     tile_k: int = TILE_K,
     num_warps: int = 8,
@@ -140,7 +149,7 @@ def symmetric_mm(
 ) -> Tensor:
     """``alpha·(a @ b) + beta·addend + diagonal·I`` for a product known to be symmetric
     (m×k @ k×m, or a batch of them; ``addend`` symmetric m×m, or one for the whole batch),
-    by the kernel. Any strides: ``b`` may be ``a.mT``. Callers check :func:`supported`
+    by the kernel; times ``scale[i]`` for matrix i (float32, one per matrix), if given. Any strides: ``b`` may be ``a.mT``. Callers check :func:`supported`
     first; the tile and launch arguments are for benchmarks and tests (which run it in
     float32 in Triton's interpreter: ``float32`` inputs use IEEE fp32 dots, not TF32)."""
     batched = a.ndim == 3
@@ -153,11 +162,13 @@ def symmetric_mm(
     )
     tiles = m // tile
     grid = (tiles * (tiles + 1) // 2, batch)
+    scales = out if scale is None else scale.reshape(batch)
     _symmetric_mm_kernel[grid](
         a3,
         b3,
         out,
         add3,
+        scales,
         *a3.stride(),
         *b3.stride(),
         *out.stride(),
@@ -166,6 +177,7 @@ def symmetric_mm(
         float(beta),
         float(diagonal),
         HAS_ADDEND=addend is not None,
+        HAS_SCALE=scale is not None,
         IEEE=a.dtype == torch.float32,
         TILE=tile,
         TILE_K=tile_k,
@@ -184,6 +196,7 @@ if triton is not None:
         b_ptr,
         c_ptr,
         d_ptr,
+        scale_ptr,
         a_sb,
         a_sm,
         a_sk,
@@ -200,6 +213,7 @@ if triton is not None:
         beta,
         diagonal,
         HAS_ADDEND: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
         IEEE: tl.constexpr,
         TILE: tl.constexpr,
         TILE_K: tl.constexpr,
@@ -230,6 +244,8 @@ if triton is not None:
             d_ptrs = d_ptr + batch * d_sb + rows[:, None] * d_sm + cols[None, :] * d_sn
             acc += beta * tl.load(d_ptrs).to(tl.float32)
         acc += tl.where(rows[:, None] == cols[None, :], diagonal, 0.0)
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + batch)
         out = acc.to(c_ptr.dtype.element_ty)
         c_base = c_ptr + batch * c_sb
         tl.store(c_base + rows[:, None] * c_sm + cols[None, :] * c_sn, out)

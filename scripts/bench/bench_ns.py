@@ -3,7 +3,8 @@
 
 For each shape and method (``plain``: torch.optim.Muon's iteration; ``gram``: Gram NS with a
 restart; ``plain_pK``/``gram_pK``: the same with their symmetric products in K row panels;
-``_k``: by the symmetric kernel; ``plain_kp``: the kernel with X ← P·X): 5 bf16 NS
+``_k``: by the symmetric kernel; ``plain_kp``: the kernel with X ← P·X; ``plain_kpf``,
+``gram_kf``: with the normalization folded into the first products): 5 bf16 NS
 iterations (Jordan coefficients) on one matrix, and batched as DMuon's optimizer batches
 same-shape matrices (``ns_batch_numel`` elements per call). Reported: ms per matrix and the
 *plain-equivalent* rate, plain NS FLOPs (``cost.ns_flops``, 2 per FMA) / time, as a share of a
@@ -128,21 +129,31 @@ def _profile(args, coefficients, device: torch.device) -> None:
 def _method(name: str, coefficients):
     """A one-argument NS function for a method name: plain or gram, optionally suffixed _pK
     (symmetric products in K row panels) or _k (by the Triton kernel of
-    dmuon_titan.symmetric; plain also _kp: the kernel and ``polynomial_form``, X ← P·X), then
-    optionally _fp16 (the NS dtype; bf16 otherwise)."""
+    dmuon_titan.symmetric; plain also _kp: the kernel and ``polynomial_form``, X ← P·X; _kpf
+    (plain) and _kf (gram): the kernel with ``fold_normalization``, what ``orthogonalize``
+    runs), then optionally _fp16 (the NS dtype; bf16 otherwise)."""
     functions = {
         "plain": newton_schulz.zeropower_via_newtonschulz,
         "gram": newton_schulz.gram_newton_schulz,
     }
     dtype = torch.float16 if name.endswith("_fp16") else torch.bfloat16
     algorithm, _, variant = name.removesuffix("_fp16").partition("_")
-    kernel = variant in ("k", "kp")
+    kernel = variant in ("k", "kp", "kpf", "kf")
     panels = variant[1:] if variant.startswith("p") else ""
-    p_form = {"polynomial_form": True} if variant == "kp" else {}
+    p_form = {"polynomial_form": True} if variant in ("kp", "kpf") else {}
+    if variant in ("kpf", "kf"):
+        p_form["fold_normalization"] = True
     known = kernel or variant == "" or panels.isdigit()
-    if algorithm not in functions or not known or (p_form and algorithm != "plain"):
+    plain_only, gram_only = variant in ("kp", "kpf"), variant == "kf"
+    if (
+        algorithm not in functions
+        or not known
+        or (plain_only and algorithm != "plain")
+        or (gram_only and algorithm != "gram")
+    ):
         raise SystemExit(
-            f"unknown method {name!r}: plain|gram, then _pK or _k (plain: or _kp), then _fp16"
+            f"unknown method {name!r}: plain|gram, then _pK or _k (plain: or _kp, _kpf; "
+            "gram: or _kf), then _fp16"
         )
     return partial(
         functions[algorithm],

@@ -24,14 +24,16 @@ from dmuon_titan.plan import cost
 
 SPECTRA = ("gauss", "powerlaw1", "powerlaw2", "lowrank16")
 #: name -> (algorithm, dtype, Gram restarts, symmetric panels, or "k": the Triton kernel, or
-#: "kp": the kernel with X ← P·X)
+#: "kp": the kernel with X ← P·X, "kpf"/"kf": the kernel with the normalization folded)
 METHODS = {
     "plain_bf16": ("plain", torch.bfloat16, (), 1),
     "plain_fp16": ("plain", torch.float16, (), 1),
     "plain_k_bf16": ("plain", torch.bfloat16, (), "k"),
     "plain_kp_bf16": ("plain", torch.bfloat16, (), "kp"),
+    "plain_kpf_bf16": ("plain", torch.bfloat16, (), "kpf"),
     "gram_bf16": ("gram", torch.bfloat16, cost.DEFAULT_GRAM_RESTARTS, 1),
     "gram_k_bf16": ("gram", torch.bfloat16, cost.DEFAULT_GRAM_RESTARTS, "k"),
+    "gram_kf_bf16": ("gram", torch.bfloat16, cost.DEFAULT_GRAM_RESTARTS, "kf"),
     "gram_p4_bf16": ("gram", torch.bfloat16, cost.DEFAULT_GRAM_RESTARTS, 4),
     "gram_fp16": ("gram", torch.float16, cost.DEFAULT_GRAM_RESTARTS, 1),
     "gram_norestart_bf16": ("gram", torch.bfloat16, (), 1),
@@ -63,12 +65,14 @@ def make_matrix(shape, spectrum: str, device, seed: int = 0) -> torch.Tensor:
 
 def run(method: str, g: torch.Tensor, coefficients) -> torch.Tensor:
     algorithm, dtype, restarts, panels = METHODS[method]
-    kernel = {"symmetric_kernel": panels in ("k", "kp")}
+    kernel = {"symmetric_kernel": panels in ("k", "kp", "kpf", "kf")}
+    if panels in ("kpf", "kf"):  # the normalization folded into the first products
+        kernel["fold_normalization"] = True
     if algorithm == "plain":
-        if panels == "kp":  # X ← P·X (polynomial_form)
+        if panels in ("kp", "kpf"):  # X ← P·X (polynomial_form)
             kernel["polynomial_form"] = True
         return newton_schulz.zeropower_via_newtonschulz(g, coefficients, 5, 1e-7, dtype, **kernel)
-    panels = 1 if panels == "k" else panels
+    panels = 1 if panels in ("k", "kf") else panels
     return newton_schulz.gram_newton_schulz(
         g, coefficients, 5, 1e-7, dtype, restarts, panels, **kernel
     )

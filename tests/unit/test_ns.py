@@ -156,6 +156,51 @@ def test_polynomial_form_is_plain_ns_in_float64(shape, route):
     torch.testing.assert_close(p_form, plain, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("shape", [(40, 40), (3, 40, 40), (24, 80), (80, 24)])
+@pytest.mark.parametrize("route", [{"symmetric_panels": 2}, {"symmetric_kernel": True}])
+@pytest.mark.parametrize("scale", [1.0, 1e-5, 3e4])
+def test_folded_normalization_is_plain_ns_in_float64(shape, route, scale):
+    """The division by the norm folded into the first iteration's products (A by 1/‖X‖²,
+    P by 1/‖X‖) is the same iteration, whatever X's scale; it needs the polynomial form."""
+    g = scale * torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    coeffs = newton_schulz.NS_COEFFICIENT_SETS["polar_express"]
+    plain = newton_schulz.zeropower_via_newtonschulz(g, coeffs, 6, 1e-7, torch.float64)
+    folded = newton_schulz.zeropower_via_newtonschulz(
+        g, coeffs, 6, 1e-7, torch.float64, polynomial_form=True, fold_normalization=True, **route
+    )
+    torch.testing.assert_close(folded, plain, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="fold_normalization needs polynomial_form"):
+        newton_schulz.zeropower_via_newtonschulz(
+            g, coeffs, 6, 1e-7, torch.float64, fold_normalization=True, **route
+        )
+
+
+@pytest.mark.parametrize("shape", [(24, 80), (80, 24), (2, 16, 48)])
+@pytest.mark.parametrize("restarts", [(), (1,), (2,), (1, 3), (4,)])
+@pytest.mark.parametrize("ns_steps", [1, 2, 5])
+def test_folded_normalization_is_gram_ns_in_float64(shape, restarts, ns_steps):
+    """Gram NS with the first Gram matrix scaled by 1/‖X‖² and the Q that first multiplies
+    X by 1/‖X‖: the same result for every run layout (a first run of one iteration, where
+    Q is P itself, or longer; restarts or none)."""
+    g = 1e-4 * torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    coeffs = newton_schulz.NS_COEFFICIENT_SETS["polar_express"]
+    args = (g, coeffs, ns_steps, 1e-7, torch.float64, restarts)
+    plain = newton_schulz.gram_newton_schulz(*args)
+    folded = newton_schulz.gram_newton_schulz(*args, fold_normalization=True)
+    torch.testing.assert_close(folded, plain, rtol=0, atol=1e-12)
+
+
+def test_inverse_norms_clamp_at_eps():
+    x = torch.zeros(3, 4, 5, dtype=torch.bfloat16)
+    x[1] = 2.0
+    inverse = newton_schulz.inverse_norms(x, 1e-3)
+    assert inverse.dtype == torch.float32 and inverse.shape == (3,)
+    norm = torch.tensor(2 * 20**0.5, dtype=torch.bfloat16).item()  # (rounded as x is)
+    eps = torch.tensor(1e-3, dtype=torch.bfloat16).item()
+    assert inverse.tolist() == pytest.approx([1 / eps, 1 / norm, 1 / eps], rel=1e-6)
+    assert newton_schulz.inverse_norms(x.double(), 1e-3).dtype == torch.float64
+
+
 @pytest.mark.parametrize("shape", [(12, 30), (2, 12, 30), (10, 10)])
 @pytest.mark.parametrize("panels", [1, 2, 3, 4, 7])
 def test_symmetric_matmul_is_the_product(shape, panels):

@@ -42,13 +42,19 @@ add = torch.randn(32, 32)
 add = add + add.mT
 got = symmetric.symmetric_mm(s, s, addend=add, beta=0.25, tile=16, tile_k=16)
 check(got, s.double() @ s.double() + 0.25 * add.double())
+# A scale per matrix of the batch, after the whole epilogue.
+scale = torch.tensor([0.5, -3.0])
+got = symmetric.symmetric_mm(s, s, addend=add, beta=0.25, diagonal=2.0, scale=scale, tile=16, tile_k=16)
+eye = torch.eye(32, dtype=torch.float64)
+expected = s.double() @ s.double() + 0.25 * add.double() + 2.0 * eye
+check(got, expected * scale.double()[:, None, None])
 print("symmetric ok")
 """
 
 
 @pytest.mark.skipif(symmetric.triton is None, reason="needs Triton")
 def test_kernel_in_the_triton_interpreter():
-    """Tile numbering, strides, epilogue (alpha, beta·addend, diagonal) and the mirror
+    """Tile numbering, strides, epilogue (alpha, beta·addend, diagonal, scale) and the mirror
     stores, checked in float32 against float64 products (so CPU-only CI covers them)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run(
