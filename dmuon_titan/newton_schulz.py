@@ -139,13 +139,16 @@ def zeropower_via_newtonschulz(
     is added to the rounded product, a second rounding of the diagonal.
     ``fold_normalization`` (with ``polynomial_form``): no pass dividing X by its norm; the
     first iteration takes X as it is and scales its two symmetric products instead, A by
-    1/‖X‖² and P by 1/‖X‖ (:func:`inverse_norms`), so P·X is the first iteration's result.
+    1/‖X‖² and P by 1/‖X‖ (:func:`inverse_norms`), so P·X is the first iteration's result
+    (where it is safe, :func:`_folds`). Both flags act on the panels/kernel route only; the
+    other one is always torch.optim.Muon's operations.
     """
     if fold_normalization and not polynomial_form:
         raise ValueError("fold_normalization needs polynomial_form (X <- P X)")
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
     if symmetric_panels > 1 or symmetric_kernel:
-        inverse = inverse_norms(x, eps) if fold_normalization else None
+        folds = fold_normalization and _folds(dtype, eps, ns_steps)
+        inverse = inverse_norms(x, eps) if folds else None
         if inverse is None:
             divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
         sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}
@@ -184,6 +187,18 @@ def zeropower_via_newtonschulz(
             gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
             x = torch.baddbmm(x, gram_update, x, beta=a)
     return x.mT if tall else x
+
+
+#: the smallest ``eps`` the fold takes: 1/eps² must stay within float32
+FOLD_MIN_EPS = 1e-15
+
+
+def _folds(dtype: torch.dtype, eps: float, ns_steps: int) -> bool:
+    """Whether ``fold_normalization`` may fold: not in float16 (its inputs arrive normalized,
+    :func:`_wide_ns_input`, and 1/eps times a coefficient would overflow its range, turning a
+    zero matrix into NaN), not for ``eps`` below :data:`FOLD_MIN_EPS`, not without an
+    iteration to fold into."""
+    return dtype != torch.float16 and eps >= FOLD_MIN_EPS and ns_steps > 0
 
 
 def inverse_norms(x: Tensor, eps: float) -> Tensor:
@@ -227,10 +242,12 @@ def gram_newton_schulz(
     2-D or a 3-D batch; returns ``dtype`` in ``matrix``'s shape; ``matrix`` is not modified
     unless ``overwrite_input`` (then, when already of ``dtype``, it is used as scratch).
     ``fold_normalization``: no pass dividing X by its norm; the first Gram matrix is scaled
-    by 1/‖X‖², and the Q that first multiplies X by 1/‖X‖ (:func:`inverse_norms`).
+    by 1/‖X‖², and the Q that first multiplies X by 1/‖X‖ (:func:`inverse_norms`; where it
+    is safe, :func:`_folds`).
     """
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
-    inverse = inverse_norms(x, eps) if fold_normalization else None
+    folds = fold_normalization and _folds(dtype, eps, ns_steps)
+    inverse = inverse_norms(x, eps) if folds else None
     if inverse is None:
         divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
     sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}  # all products but Q·X
@@ -301,7 +318,8 @@ def orthogonalize(
         )
     # Plain NS without panels: they measured slower on its shapes (docs/benchmarks.md, "Measurements behind code choices").
     # With the kernel as X ← P·X: no copy of X into each iteration's last product, and no
-    # less accurate, since the kernel rounds P once (same section); so is the fold.
+    # less accurate, since the kernel rounds P once (same section); the fold measured so in
+    # bfloat16 (float16 does not fold, _folds).
     return zeropower_via_newtonschulz(
         matrix,
         coefficients,

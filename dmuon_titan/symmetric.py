@@ -9,8 +9,8 @@ product into row panels of ordinary matmuls (:func:`_symmetric_matmul_panels`) s
 (panels − 1)/(2·panels) of the FLOPs, in smaller matmuls that fill the GPU worse, and then
 copies the lower blocks from their transposed mirror images. The Triton kernel here launches
 one program per upper-triangular output tile (i ≤ j): it accumulates A[i]·B[:, j] in fp32,
-applies ``alpha``, ``beta·addend`` and ``diagonal·I``, and stores the tile at (i, j) and its
-transpose at (j, i) — half the FLOPs of the full product, no second pass over memory.
+applies ``alpha``, ``beta·addend``, ``diagonal·I`` and a per-matrix ``scale``, and stores the
+tile at (i, j) and its transpose at (j, i) — half the FLOPs of the full product, no second pass over memory.
 
 :func:`supported` says whether the kernel runs (not without Triton, not off CUDA, only
 bf16/fp16, sizes multiples of the tile, not under ``DMUON_FUSED=0``); where it does not, the
@@ -96,8 +96,8 @@ def symmetric_matmul(
     out = _symmetric_matmul_panels(a, b, panels, addend, beta, alpha)
     if diagonal:
         out.diagonal(dim1=-2, dim2=-1).add_(diagonal)
-    if scale is not None:
-        out.mul_(scale[..., None, None].to(out.dtype))
+    if scale is not None:  # (in float32, then rounded once more)
+        out.mul_(scale[..., None, None])
     return out
 
 
@@ -162,7 +162,11 @@ def symmetric_mm(
     )
     tiles = m // tile
     grid = (tiles * (tiles + 1) // 2, batch)
-    scales = out if scale is None else scale.reshape(batch)
+    scales = (  # one float32 per matrix, contiguous (the kernel reads scale_ptr + batch)
+        out
+        if scale is None
+        else scale.to(device=out.device, dtype=torch.float32).reshape(-1).expand(batch).contiguous()
+    )
     _symmetric_mm_kernel[grid](
         a3,
         b3,

@@ -190,6 +190,45 @@ def test_folded_normalization_is_gram_ns_in_float64(shape, restarts, ns_steps):
     torch.testing.assert_close(folded, plain, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("algorithm", ["plain", "gram"])
+def test_folded_normalization_of_zero_and_tiny_matrices(dtype, algorithm):
+    """A zero matrix (an expert that got no tokens) and tiny ones stay finite with the fold,
+    and where the fold is not safe (float16, whose range 1/eps times a coefficient exceeds;
+    eps below FOLD_MIN_EPS; no iteration) it is not taken: bitwise the unfolded result."""
+    g = torch.randn(3, 32, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    g[0] = 0.0
+    g[1] *= 1e-6
+    coeffs = (newton_schulz.JORDAN_COEFFICIENTS,)
+    route = {"symmetric_panels": 2}
+    if algorithm == "plain":
+
+        def ns(x, eps=1e-7, steps=5, fold=True):
+            return newton_schulz.zeropower_via_newtonschulz(
+                x, coeffs, steps, eps, dtype, polynomial_form=True, fold_normalization=fold, **route
+            )
+    else:
+
+        def ns(x, eps=1e-7, steps=5, fold=True):
+            return newton_schulz.gram_newton_schulz(
+                x, coeffs, steps, eps, dtype, fold_normalization=fold, **route
+            )
+
+    folded, unfolded = ns(g), ns(g, fold=False)
+    assert torch.isfinite(folded).all()
+    assert not folded[0].any() and not unfolded[0].any()
+    if dtype == torch.float16:
+        assert torch.equal(folded, unfolded)
+    else:
+        error = (folded[1:].float() - unfolded[1:].float()).norm() / unfolded[1:].float().norm()
+        assert error < 0.05, error
+    # (float16 rounds eps = 1e-20 to 0: a zero matrix is NaN there, folded or not)
+    torch.testing.assert_close(
+        ns(g, eps=1e-20), ns(g, eps=1e-20, fold=False), rtol=0, atol=0, equal_nan=True
+    )
+    assert torch.equal(ns(g, steps=0), ns(g, steps=0, fold=False))
+
+
 def test_inverse_norms_clamp_at_eps():
     x = torch.zeros(3, 4, 5, dtype=torch.bfloat16)
     x[1] = 2.0

@@ -48,6 +48,12 @@ got = symmetric.symmetric_mm(s, s, addend=add, beta=0.25, diagonal=2.0, scale=sc
 eye = torch.eye(32, dtype=torch.float64)
 expected = s.double() @ s.double() + 0.25 * add.double() + 2.0 * eye
 check(got, expected * scale.double()[:, None, None])
+# A strided scale, and one 0-d scale for a single matrix.
+strided = torch.tensor([0.5, 9.0, -3.0, 9.0])[::2]
+check(symmetric.symmetric_mm(s, s, scale=strided, tile=16, tile_k=16),
+      (s.double() @ s.double()) * strided.double()[:, None, None])
+check(symmetric.symmetric_mm(s[0], s[0], scale=torch.tensor(-2.0), tile=16, tile_k=16),
+      -2.0 * s[0].double() @ s[0].double())
 print("symmetric ok")
 """
 
