@@ -297,12 +297,15 @@ def orthogonalize(
     compute their symmetric products (X·Xᵀ, and plain NS's A² as well) by the Triton kernel
     of :mod:`.symmetric` where it runs (CUDA, half precision, sides multiples of its tile);
     elsewhere Gram NS cuts them into row panels on large matrices
-    (:data:`SYMMETRIC_PANELS_MIN_SIDE`) and plain NS is torch.optim.Muon's. Plain NS by the
-    kernel runs each iteration as X ← P·X (``polynomial_form``), and both, by the kernel,
-    fold the normalization into the first products (``fold_normalization``)."""
+    (:data:`SYMMETRIC_PANELS_MIN_SIDE`) and plain NS is torch.optim.Muon's. In bfloat16, plain
+    NS by the kernel runs each iteration as X ← P·X (``polynomial_form``), and both, by the
+    kernel, fold the normalization into the first products (``fold_normalization``)."""
     choice = ns_algorithm_for(matrix.shape[-2:], algorithm, ns_steps)
     short, long = sorted(matrix.shape[-2:])
     kernel = algorithm != "plain" and symmetric_kernel_runs_for(short, long, dtype, matrix.device)
+    # The polynomial form and the fold by the kernel: measured in bfloat16 only (float16
+    # keeps the addend form and never folds, _folds; docs/benchmarks.md, thirteenth session).
+    measured = kernel and dtype == torch.bfloat16
     if choice == "gram":
         panels = SYMMETRIC_PANELS if short >= SYMMETRIC_PANELS_MIN_SIDE else 1
         return gram_newton_schulz(
@@ -314,12 +317,11 @@ def orthogonalize(
             symmetric_panels=panels,
             overwrite_input=overwrite_input,
             symmetric_kernel=kernel,
-            fold_normalization=kernel,
+            fold_normalization=measured,
         )
     # Plain NS without panels: they measured slower on its shapes (docs/benchmarks.md, "Measurements behind code choices").
     # With the kernel as X ← P·X: no copy of X into each iteration's last product, and no
-    # less accurate, since the kernel rounds P once (same section); the fold measured so in
-    # bfloat16 (float16 does not fold, _folds).
+    # less accurate, since the kernel rounds P once (same section); the fold measured so too.
     return zeropower_via_newtonschulz(
         matrix,
         coefficients,
@@ -328,8 +330,8 @@ def orthogonalize(
         dtype,
         overwrite_input=overwrite_input,
         symmetric_kernel=kernel,
-        polynomial_form=kernel,
-        fold_normalization=kernel,
+        polynomial_form=measured,
+        fold_normalization=measured,
     )
 
 

@@ -329,6 +329,37 @@ def test_orthogonalize_dispatches(algorithm):
     assert torch.equal(bf, newton_schulz.gram_newton_schulz(g, coeffs, 5, 1e-7, torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(16, 16), (16, 48)])
+def test_orthogonalize_takes_the_measured_forms_by_the_kernel(dtype, shape, monkeypatch):
+    """Where the kernel runs (stood in for: CPU), ``"auto"`` passes plain NS the polynomial
+    form and the fold, and Gram NS the fold, in bfloat16 only (what was measured on a GPU);
+    ``"plain"`` never."""
+    calls = []
+
+    def noting(name):
+        def record(*args, **kwargs):
+            calls.append((name, kwargs))
+            return args[0]
+
+        return record
+
+    monkeypatch.setattr(newton_schulz, "symmetric_kernel_runs_for", lambda *a: True)
+    monkeypatch.setattr(newton_schulz, "zeropower_via_newtonschulz", noting("plain"))
+    monkeypatch.setattr(newton_schulz, "gram_newton_schulz", noting("gram"))
+    g = torch.zeros(shape, dtype=dtype)
+    coeffs = (newton_schulz.JORDAN_COEFFICIENTS,)
+    newton_schulz.orthogonalize(g, coeffs, 5, 1e-7, dtype, "auto")
+    newton_schulz.orthogonalize(g, coeffs, 5, 1e-7, dtype, "plain")
+    (name, auto), (_, plain) = calls
+    bf16 = dtype == torch.bfloat16
+    assert name == cost.ns_algorithm_for(shape, "auto") and auto["symmetric_kernel"]
+    assert auto["fold_normalization"] == bf16
+    assert auto.get("polynomial_form", bf16) == bf16  # (Gram NS has no such flag)
+    assert not plain["symmetric_kernel"] and not plain["polynomial_form"]
+    assert not plain["fold_normalization"]
+
+
 def test_plain_ns_of_large_matrices_is_not_batched(cpu_mesh):
     from dmuon_titan.muon import PLAIN_NS_UNBATCHED_NUMEL, ns_chunks
 
