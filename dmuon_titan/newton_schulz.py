@@ -158,16 +158,7 @@ def zeropower_via_newtonschulz(
             gram = symmetric_matmul(x, x.mT, scale=inverse.square() if folded else None, **sym)
             # bA + cA², plus aI in the polynomial form
             diagonal = a if polynomial_form else 0.0
-            poly = symmetric_matmul(
-                gram,
-                gram,
-                addend=gram,
-                beta=b,
-                alpha=c,
-                diagonal=diagonal,
-                scale=inverse if folded else None,
-                **sym,
-            )
+            poly = _polynomial(gram, (diagonal, b, c), inverse if folded else None, sym)
             if polynomial_form:
                 x = poly @ x
             else:
@@ -187,6 +178,17 @@ def zeropower_via_newtonschulz(
             gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
             x = torch.baddbmm(x, gram_update, x, beta=a)
     return x.mT if tall else x
+
+
+def _polynomial(
+    gram: Tensor, coefficients: Coefficients, scale: Tensor | None, sym: dict
+) -> Tensor:
+    """(aI + bA + cA²)·``scale`` for the symmetric A = ``gram`` and (a, b, c) =
+    ``coefficients``, by one symmetric product (``sym``: its route)."""
+    a, b, c = coefficients
+    return symmetric_matmul(
+        gram, gram, addend=gram, beta=b, alpha=c, diagonal=a, scale=scale, **sym
+    )
 
 
 #: the smallest ``eps`` the fold takes: 1/eps² must stay within float32
@@ -258,16 +260,7 @@ def gram_newton_schulz(
     for i in range(ns_steps):
         a, b, c = coefficients[min(i, len(coefficients) - 1)]
         scale = inverse if i == first_run_end else None
-        poly = symmetric_matmul(
-            gram,
-            gram,
-            addend=gram,
-            beta=b,
-            alpha=c,
-            diagonal=a,
-            scale=scale if q is None else None,
-            **sym,
-        )
+        poly = _polynomial(gram, (a, b, c), scale if q is None else None, sym)
         q = poly if q is None else symmetric_matmul(poly, q, scale=scale, **sym)
         if i == ns_steps - 1:
             break
