@@ -10,7 +10,8 @@ product into row panels of ordinary matmuls (:func:`_symmetric_matmul_panels`) s
 copies the lower blocks from their transposed mirror images. The Triton kernel here launches
 one program per upper-triangular output tile (i ≤ j): it accumulates A[i]·B[:, j] in fp32,
 applies ``alpha``, ``beta·addend``, ``diagonal·I`` and a per-matrix ``scale``, and stores the
-tile at (i, j) and its transpose at (j, i) — half the FLOPs of the full product, no second pass over memory.
+tile at (i, j) and its transpose at (j, i) — half the FLOPs of the full product, no second
+pass over memory.
 
 :func:`supported` says whether the kernel runs (not without Triton, not off CUDA, only
 bf16/fp16, sizes multiples of the tile, not under ``DMUON_FUSED=0``); where it does not, the
@@ -149,9 +150,10 @@ def symmetric_mm(
 ) -> Tensor:
     """``alpha·(a @ b) + beta·addend + diagonal·I`` for a product known to be symmetric
     (m×k @ k×m, or a batch of them; ``addend`` symmetric m×m, or one for the whole batch),
-    by the kernel; times ``scale[i]`` for matrix i (float32, one per matrix), if given. Any strides: ``b`` may be ``a.mT``. Callers check :func:`supported`
-    first; the tile and launch arguments are for benchmarks and tests (which run it in
-    float32 in Triton's interpreter: ``float32`` inputs use IEEE fp32 dots, not TF32)."""
+    by the kernel; times ``scale[i]`` for matrix i (float32, one per matrix), if given. Any
+    strides: ``b`` may be ``a.mT``. Callers check :func:`supported` first; the tile and
+    launch arguments are for benchmarks and tests (which run it in float32 in Triton's
+    interpreter: ``float32`` inputs use IEEE fp32 dots, not TF32)."""
     batched = a.ndim == 3
     a3 = a if batched else a.unsqueeze(0)
     b3 = b if batched else b.unsqueeze(0)

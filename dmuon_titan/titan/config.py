@@ -114,10 +114,10 @@ class DMuon:
     matrices, equal in exact arithmetic; pair it with ns_dtype = "float16", where it is more
     accurate than plain bfloat16) or "auto" (per shape, whichever needs fewer FLOPs). On CUDA
     in bfloat16/float16, "gram" and "auto" compute their symmetric products (X Xᵀ, A²) by a
-    Triton kernel that does half the FLOPs (dmuon_titan/symmetric.py), with the division by
-    the norm folded into the first products and plain iterations as X <- P X (no less
-    accurate than plain bfloat16; docs/benchmarks.md); "plain" stays torch.optim.Muon's
-    exact operations."""
+    Triton kernel that does half the FLOPs (dmuon_titan/symmetric.py); in bfloat16 also with
+    the division by the norm folded into the first products and plain iterations as
+    X <- P X (no less accurate than plain bfloat16; docs/benchmarks.md). "plain" stays
+    torch.optim.Muon's exact operations."""
 
     tp_ns: str = "auto"
     """With tensor_parallel_degree > 1, who runs each matrix's Newton-Schulz: "owner" (its
