@@ -147,10 +147,7 @@ def zeropower_via_newtonschulz(
         raise ValueError("fold_normalization needs polynomial_form (X <- P X)")
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
     if symmetric_panels > 1 or symmetric_kernel:
-        folds = fold_normalization and _folds(dtype, eps, ns_steps)
-        inverse = inverse_norms(x, eps) if folds else None
-        if inverse is None:
-            divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
+        inverse = _normalize_or_fold(x, eps, fold_normalization and _folds(dtype, eps, ns_steps))
         sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}
         for i in range(ns_steps):
             a, b, c = coefficients[min(i, len(coefficients) - 1)]
@@ -203,6 +200,15 @@ def _folds(dtype: torch.dtype, eps: float, ns_steps: int) -> bool:
     return dtype != torch.float16 and eps >= FOLD_MIN_EPS and ns_steps > 0
 
 
+def _normalize_or_fold(x: Tensor, eps: float, fold: bool) -> Tensor | None:
+    """NS's normalization of ``x``: with ``fold``, :func:`inverse_norms` for the first products
+    to scale by (``x`` unchanged); otherwise ``x`` divided by its norm in place, and None."""
+    if fold:
+        return inverse_norms(x, eps)
+    divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
+    return None
+
+
 def inverse_norms(x: Tensor, eps: float) -> Tensor:
     """1 / ‖x‖_F per matrix (the norm rounded to ``x``'s dtype and clamped at ``eps``, as the
     division NS normalizes by), in float32 (float64 for float64 ``x``), of shape
@@ -248,10 +254,7 @@ def gram_newton_schulz(
     is safe, :func:`_folds`).
     """
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
-    folds = fold_normalization and _folds(dtype, eps, ns_steps)
-    inverse = inverse_norms(x, eps) if folds else None
-    if inverse is None:
-        divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
+    inverse = _normalize_or_fold(x, eps, fold_normalization and _folds(dtype, eps, ns_steps))
     sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}  # all products but Q·X
     restart_at = {r for r in restarts if 0 < r < ns_steps}
     first_run_end = min(restart_at | {ns_steps}) - 1  # where Q first multiplies X
