@@ -126,6 +126,16 @@ def _profile(args, coefficients, device: torch.device) -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=90))
 
 
+#: the kernel's variants (a method's suffix): the algorithms each applies to and the NS
+#: arguments it adds to ``symmetric_kernel=True`` (check_ns_accuracy.py takes them from here)
+KERNEL_VARIANTS = {
+    "k": (("plain", "gram"), {}),
+    "kp": (("plain",), {"polynomial_form": True}),
+    "kpf": (("plain",), {"polynomial_form": True, "fold_normalization": True}),
+    "kf": (("gram",), {"fold_normalization": True}),
+}
+
+
 def _method(name: str, coefficients):
     """A one-argument NS function for a method name: plain or gram, optionally suffixed _pK
     (symmetric products in K row panels) or _k (by the Triton kernel of
@@ -138,19 +148,10 @@ def _method(name: str, coefficients):
     }
     dtype = torch.float16 if name.endswith("_fp16") else torch.bfloat16
     algorithm, _, variant = name.removesuffix("_fp16").partition("_")
-    kernel = variant in ("k", "kp", "kpf", "kf")
+    kernel = variant in KERNEL_VARIANTS
+    algorithms, extra = KERNEL_VARIANTS.get(variant, (tuple(functions), {}))
     panels = variant[1:] if variant.startswith("p") else ""
-    p_form = {"polynomial_form": True} if variant in ("kp", "kpf") else {}
-    if variant in ("kpf", "kf"):
-        p_form["fold_normalization"] = True
-    known = kernel or variant == "" or panels.isdigit()
-    plain_only, gram_only = variant in ("kp", "kpf"), variant == "kf"
-    if (
-        algorithm not in functions
-        or not known
-        or (plain_only and algorithm != "plain")
-        or (gram_only and algorithm != "gram")
-    ):
+    if algorithm not in algorithms or not (kernel or variant == "" or panels.isdigit()):
         raise SystemExit(
             f"unknown method {name!r}: plain|gram, then _pK or _k (plain: or _kp, _kpf; "
             "gram: or _kf), then _fp16"
@@ -163,7 +164,7 @@ def _method(name: str, coefficients):
         dtype=dtype,
         symmetric_panels=int(panels or 1),
         symmetric_kernel=kernel,
-        **p_form,
+        **extra,
     )
 
 

@@ -18,13 +18,14 @@ import argparse
 import json
 
 import torch
+from bench_ns import KERNEL_VARIANTS  # (this directory: the script's own on sys.path)
 
 from dmuon_titan import newton_schulz
 from dmuon_titan.plan import cost
 
 SPECTRA = ("gauss", "powerlaw1", "powerlaw2", "lowrank16")
-#: name -> (algorithm, dtype, Gram restarts, symmetric panels, or "k": the Triton kernel, or
-#: "kp": the kernel with X ← P·X, "kpf"/"kf": the kernel with the normalization folded)
+#: name -> (algorithm, dtype, Gram restarts, symmetric panels, or a variant of the Triton
+#: kernel: bench_ns.KERNEL_VARIANTS — "k", "kp" X ← P·X, "kpf"/"kf" the normalization folded)
 METHODS = {
     "plain_bf16": ("plain", torch.bfloat16, (), 1),
     "plain_fp16": ("plain", torch.float16, (), 1),
@@ -65,16 +66,12 @@ def make_matrix(shape, spectrum: str, device, seed: int = 0) -> torch.Tensor:
 
 def run(method: str, g: torch.Tensor, coefficients) -> torch.Tensor:
     algorithm, dtype, restarts, panels = METHODS[method]
-    kernel = {"symmetric_kernel": panels in ("k", "kp", "kpf", "kf")}
-    if panels in ("kpf", "kf"):  # the normalization folded into the first products
-        kernel["fold_normalization"] = True
+    kernel = panels in KERNEL_VARIANTS
+    extra = {"symmetric_kernel": kernel, **(KERNEL_VARIANTS[panels][1] if kernel else {})}
     if algorithm == "plain":
-        if panels in ("kp", "kpf"):  # X ← P·X (polynomial_form)
-            kernel["polynomial_form"] = True
-        return newton_schulz.zeropower_via_newtonschulz(g, coefficients, 5, 1e-7, dtype, **kernel)
-    panels = 1 if panels in ("k", "kf") else panels
+        return newton_schulz.zeropower_via_newtonschulz(g, coefficients, 5, 1e-7, dtype, **extra)
     return newton_schulz.gram_newton_schulz(
-        g, coefficients, 5, 1e-7, dtype, restarts, panels, **kernel
+        g, coefficients, 5, 1e-7, dtype, restarts, 1 if kernel else panels, **extra
     )
 
 
