@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .runtime.owned_param import is_dedicated
+from .runtime.owned_param import dedicated_of, is_dedicated
 from .runtime.state import STATE_ATTR, DMuonState
 
 
@@ -23,6 +23,7 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
     pp_mesh: DeviceMesh | None = None,
+    defer_owned: bool = False,
 ) -> torch.Tensor:
     """Clip all gradients of ``model`` by their global ``norm_type`` norm; return that norm.
 
@@ -35,11 +36,20 @@ def clip_grad_norm_(
     over it, as torchtitan's ``clip_grad_norm_`` does. Collectives, always in this order on
     every rank: the DTensor norm's reduction, an all-reduce of the owned part over the
     data-parallel world (where a part has dedicated matrices), one over ``pp_mesh``.
+
+    ``defer_owned``: where it can (:meth:`DMuonState.can_defer_grad_scale
+    <dmuon_titan.runtime.state.DMuonState.can_defer_grad_scale>`: one rank, float32
+    gradients, one DMuon optimizer), leave the owned gradients as they are and let the
+    optimizer's next step multiply them as it reads them (its captured step saves a pass over
+    them). Until that step (or the next forward) their ``.grad`` reads unclipped: for a loop
+    that steps right after clipping, as torchtitan's; the results are the same.
     """
     models = [model] if isinstance(model, nn.Module) else list(model)
     states = [s for m in models if (s := getattr(m, STATE_ATTR, None)) is not None]
     params = [p for m in models for p in m.parameters()]
-    return clip_grads_(params, states, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh)
+    return clip_grads_(
+        params, states, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, defer_owned
+    )
 
 
 @torch.no_grad()
@@ -51,6 +61,7 @@ def clip_grads_(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
     pp_mesh: DeviceMesh | None = None,
+    defer_owned: bool = False,
 ) -> torch.Tensor:
     """:func:`clip_grad_norm_` over ``parameters``, whose dedicated ones belong to ``states``
     (each finalized first)."""
@@ -62,7 +73,7 @@ def clip_grads_(
         )
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
-    sharded, plain, owned = [], [], []
+    sharded, plain, owned, masters = [], [], [], []
     seen: set[int] = set()
     for p in parameters:
         if p.grad is None or id(p) in seen:
@@ -71,6 +82,7 @@ def clip_grads_(
         if is_dedicated(p):
             if p.numel() > 0:  # the owner's master; placeholders have no elements
                 owned.append(p.grad)
+                masters.append(p)
         elif isinstance(p.grad, DTensor):
             sharded.append(p.grad)
         else:
@@ -116,6 +128,8 @@ def clip_grads_(
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")
     clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    if defer_owned:
+        owned = _defer_owned(masters, clip_coef)
     # One foreach multiply per (device, dtype), as torch's clip_grads_with_norm_ does: a
     # Python loop over every gradient costs milliseconds of host time at small scale.
     by_kind: dict[tuple, list[torch.Tensor]] = {}
@@ -129,3 +143,19 @@ def clip_grads_(
         else:
             torch._foreach_mul_(same, coef)
     return total_norm
+
+
+def _defer_owned(masters: list[torch.Tensor], clip_coef: torch.Tensor) -> list[torch.Tensor]:
+    """Leave ``clip_coef`` to the optimizer's step for the owned ``masters`` whose state
+    allows it (:meth:`DMuonState.defer_grad_scale`); the gradients still to multiply now."""
+    by_state: dict[int, tuple[DMuonState, list[torch.Tensor]]] = {}
+    for p in masters:
+        state = dedicated_of(p).state_ref()
+        by_state.setdefault(id(state), (state, []))[1].append(p)
+    now = []
+    for state, mine in by_state.values():
+        if state is not None and state.can_defer_grad_scale([p.grad for p in mine]):
+            state.defer_grad_scale(clip_coef, mine)
+        else:
+            now += [p.grad for p in mine]
+    return now

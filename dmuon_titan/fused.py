@@ -78,6 +78,7 @@ def momentum_direction_into(
     momentum: float,
     nesterov: bool,
     grad_address: Tensor | None = None,
+    grad_scale: Tensor | None = None,
 ) -> None:
     """``buffer ← lerp(buffer, grad, 1 − momentum)``; ``out ← lerp(grad, buffer, momentum)``
     (Nesterov) or ``buffer``, rounded once to ``out``'s dtype. ``torch.optim.Muon``'s momentum
@@ -89,8 +90,17 @@ def momentum_direction_into(
     reads the gradient from when it runs, not ``grad``'s own (a captured step's gradients are
     new tensors every backward; ``grad`` then gives only shape, dtype and layout). The eager
     path reads ``grad``, which must then be the gradient itself; under CUDA-graph capture it
-    raises (the capture would bake in ``grad``'s address)."""
+    raises (the capture would bake in ``grad``'s address).
+
+    ``grad_scale``: a 0-d float32 tensor on ``grad``'s device, read when the pass runs, that
+    multiplies the gradient first (a gradient clip deferred to the step,
+    :meth:`~dmuon_titan.runtime.state.DMuonState.defer_grad_scale`): the product is rounded
+    to float32 as ``grad.mul_(scale)`` of a float32 gradient rounds it."""
     by_address = grad_address is not None
+    if grad_scale is not None and grad.dtype != torch.float32:
+        raise ValueError(f"grad_scale needs a float32 gradient, got {grad.dtype}")
+    scaled = grad_scale is not None
+    scale_arg = grad_scale if scaled else buffer  # (not read without SCALED)
     grad_arg = grad_address if by_address else grad
     grad_type = _TL_DTYPES.get(grad.dtype) if by_address else None
     if (
@@ -105,6 +115,7 @@ def momentum_direction_into(
             grad_arg,
             buffer,
             out,
+            scale_arg,
             rows,
             cols,
             out.stride(0),
@@ -114,6 +125,7 @@ def momentum_direction_into(
             NESTEROV=nesterov,
             BY_ADDRESS=by_address,
             GRAD_TYPE=grad_type,
+            SCALED=scaled,
             TILE=_TILE,
         )
         return
@@ -124,12 +136,14 @@ def momentum_direction_into(
             grad_arg,
             buffer,
             out,
+            scale_arg,
             grad.numel(),
             float(1 - momentum),
             float(momentum),
             NESTEROV=nesterov,
             BY_ADDRESS=by_address,
             GRAD_TYPE=grad_type,
+            SCALED=scaled,
             BLOCK=_BLOCK,
         )
         return
@@ -140,6 +154,8 @@ def momentum_direction_into(
             f"float32/bfloat16/float16 output (got grad {grad.dtype}, buffer {buffer.dtype}, "
             f"output {out.dtype})"
         )
+    if scaled:
+        grad = grad * grad_scale
     buffer.lerp_(grad, 1 - momentum)
     if nesterov:
         torch.lerp(grad, buffer, momentum, out=out)  # fp32 math, one rounding on store
@@ -257,10 +273,23 @@ if triton is not None:
 
     @triton.jit
     def _momentum_step(
-        grad_ptr, buf_ptr, offsets, mask, buffer_weight, direction_weight, NESTEROV: tl.constexpr
+        grad_ptr,
+        buf_ptr,
+        scale_ptr,
+        offsets,
+        mask,
+        buffer_weight,
+        direction_weight,
+        NESTEROV: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         # The buffer's lerp, stored; the direction (fp32) from the stored buffer.
         grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+        if SCALED:
+            # The product rounded on its own, as grad.mul_(scale) rounds it: an explicit fma
+            # with +0 (a plain multiply could be contracted into the lerp's arithmetic; +0,
+            # unlike −0, is no identity the compiler may fold away).
+            grad = tl.fma(grad, tl.load(scale_ptr), 0.0)
         buf = tl.load(buf_ptr + offsets, mask=mask).to(tl.float32)
         buf = _lerp(buf, grad, buffer_weight)
         buf = buf.to(buf_ptr.dtype.element_ty)
@@ -284,19 +313,29 @@ if triton is not None:
         grad_ptr,
         buf_ptr,
         out_ptr,
+        scale_ptr,
         n,
         buffer_weight,
         direction_weight,
         NESTEROV: tl.constexpr,
         BY_ADDRESS: tl.constexpr,
         GRAD_TYPE: tl.constexpr,
+        SCALED: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         grad_ptr = _gradient(grad_ptr, BY_ADDRESS, GRAD_TYPE)
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
         direction = _momentum_step(
-            grad_ptr, buf_ptr, offsets, mask, buffer_weight, direction_weight, NESTEROV
+            grad_ptr,
+            buf_ptr,
+            scale_ptr,
+            offsets,
+            mask,
+            buffer_weight,
+            direction_weight,
+            NESTEROV,
+            SCALED,
         )
         tl.store(out_ptr + offsets, direction.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -305,6 +344,7 @@ if triton is not None:
         grad_ptr,
         buf_ptr,
         out_ptr,
+        scale_ptr,
         rows,
         cols,
         out_row_stride,
@@ -314,6 +354,7 @@ if triton is not None:
         NESTEROV: tl.constexpr,
         BY_ADDRESS: tl.constexpr,
         GRAD_TYPE: tl.constexpr,
+        SCALED: tl.constexpr,
         TILE: tl.constexpr,
     ):
         # _momentum_kernel by 2-D tiles, for an output of other strides (a transposed view).
@@ -322,11 +363,13 @@ if triton is not None:
         direction = _momentum_step(
             grad_ptr,
             buf_ptr,
+            scale_ptr,
             r[:, None] * cols + c[None, :],
             mask,
             buffer_weight,
             direction_weight,
             NESTEROV,
+            SCALED,
         )
         out_offsets = r[:, None] * out_row_stride + c[None, :] * out_col_stride
         tl.store(out_ptr + out_offsets, direction.to(out_ptr.dtype.element_ty), mask=mask)

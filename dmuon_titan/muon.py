@@ -23,7 +23,7 @@ from torch.optim.adamw import adamw
 from . import fused, newton_schulz, update
 from .options import DEFAULT_NS_BATCH_NUMEL, MuonOptions
 from .runtime.owned_param import dedicated_of, is_dedicated
-from .runtime.state import STATE_ATTR, DMuonState
+from .runtime.state import STATE_ATTR, DMuonState, scale_gradients_
 from .step_graph import MuonStepGraph, StepScalars
 from .timing import PhaseTimer
 
@@ -171,6 +171,7 @@ class Muon(torch.optim.Optimizer):
         self.step_graph = MuonStepGraph(async_step=options.async_step)
         if self._dmuon is not None:  # (its forward, backward and state dicts wait for it)
             self._dmuon.step_graphs.add(self.step_graph)
+            self._dmuon.optimizers.add(self)  # (a clip may leave its factor to this step)
         self.register_step_pre_hook(Muon._before_step)
         self.register_step_post_hook(Muon._after_step)
 
@@ -232,6 +233,8 @@ class Muon(torch.optim.Optimizer):
         its own stream (``async_step``), which reads them."""
         if not set_to_none:
             self.step_graph.wait()
+        if self._dmuon is not None:  # (a clip's factor left to a step that did not come)
+            self._dmuon.drop_deferred_grad_scale()
         super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
@@ -276,23 +279,38 @@ class Muon(torch.optim.Optimizer):
         coefficients = newton_schulz.normalize_coefficients(group["ns_coefficients"])
         stepped = self._stepped_ids()
         todo = [p for p in group["params"] if p.grad is not None and id(p) in stepped]
-        for p in todo:
-            if p.ndim == 3:
-                self._step_stack(p, group, coefficients)
+        stacks = [p for p in todo if p.ndim == 3]
         todo = [p for p in todo if p.ndim == 2]
         shared = self._dmuon.shared_ns if self._dmuon is not None else None
+        mine = []
         if shared is not None:  # (every rank: the row's NS is collective)
             mine = [p for p in todo if dedicated_of(p).shared_ns]
             todo = [p for p in todo if not dedicated_of(p).shared_ns]
+        captured = self._graph_eligible(group, todo)
+        # A clip's factor left to this step (DMuonState.defer_grad_scale): the captured step
+        # multiplies each gradient as its momentum pass reads it; every other path first
+        # multiplies the gradients, as the clip would have.
+        deferred = self._dmuon.take_grad_scale() if self._dmuon is not None else None
+        factor, in_graph = None, []
+        if deferred is not None:
+            factor, due = deferred
+            due_ids, todo_ids = {id(p) for p in due}, {id(p) for p in todo}
+            in_graph = todo if captured and due_ids >= todo_ids else []
+            skip = todo_ids if in_graph else set()
+            scale_gradients_([p for p in due if id(p) not in skip], factor)
+        for p in stacks:
+            self._step_stack(p, group, coefficients)
+        if shared is not None:
             self._step_shared(group, mine, coefficients, shared)
-        if self._graph_eligible(group, todo):
+        if captured:
             buffers = [self._momentum_buffer(p) for p in todo]  # (made by the check above)
 
             def body(scalars: StepScalars) -> None:
                 self._step_matrices(group, todo, coefficients, scalars)
 
-            if self.step_graph.run(group, todo, buffers, body):
+            if self.step_graph.run(group, todo, buffers, body, factor if in_graph else None):
                 return
+            scale_gradients_(in_graph, factor)  # (no graph after all)
         self._step_matrices(group, todo, coefficients)
 
     def _graph_eligible(self, group: dict[str, Any], todo: list[torch.Tensor]) -> bool:
@@ -429,8 +447,11 @@ class Muon(torch.optim.Optimizer):
             self._grouped_directions(chunk, group, batch.unsqueeze(0) if single else batch)
         else:
             for i, p in enumerate(chunk):
-                slot = None if scalars is None else scalars.gradient_slot(p)
-                self._write_direction(p, group, batch if single else batch[i], slot)
+                slot = scale = None
+                if scalars is not None:
+                    slot = scalars.gradient_slot(p)
+                    scale = scalars.grad_scale if p.grad.dtype == torch.float32 else None
+                self._write_direction(p, group, batch if single else batch[i], slot, scale)
         timed = scalars is None  # (no events inside a captured graph)
         if timed:
             self.timer.start("ns")
@@ -495,11 +516,12 @@ class Muon(torch.optim.Optimizer):
         group: dict[str, Any],
         out: torch.Tensor,
         grad_address: torch.Tensor | None = None,
+        grad_scale: torch.Tensor | None = None,
     ) -> None:
         """Momentum step for ``p``; its whole direction, cast, into ``out`` (one fused pass on
         a GPU; eagerly, the cast happens in lerp's store, rounding once as a copy would). For
         a float16 ``out`` the direction is normalized first, in full precision.
-        ``grad_address``: see :func:`fused.momentum_direction_into`."""
+        ``grad_address``, ``grad_scale``: see :func:`fused.momentum_direction_into`."""
         if out.dtype == torch.float16 and p.grad.dtype != torch.float16:
             # float16's range: normalize in full precision first.
             newton_schulz.normalize_into(self._direction(p, group), out, group["eps"])
@@ -511,6 +533,7 @@ class Muon(torch.optim.Optimizer):
             group["momentum"],
             group["nesterov"],
             grad_address,
+            grad_scale,
         )
 
     def _momentum_buffer(self, p: torch.Tensor) -> torch.Tensor:

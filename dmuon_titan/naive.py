@@ -53,9 +53,10 @@ class NaiveMuon(Muon):
         return direction.full_tensor() if isinstance(direction, DTensor) else direction
 
     def _write_direction(
-        self, p: torch.Tensor, group, out: torch.Tensor, grad_address=None
+        self, p: torch.Tensor, group, out: torch.Tensor, grad_address=None, grad_scale=None
     ) -> None:
-        # (grad_address: a captured step's, and this path is never captured: no DMuon state)
+        # (grad_address, grad_scale: a captured step's, and this path is never captured: no
+        # DMuon state)
         out.copy_(self._gather(self._direction(p, group)))
 
     def _scatter(self, param: torch.Tensor, ortho: torch.Tensor):

@@ -25,7 +25,10 @@ capture's; on any difference the step is captured again (a matrix without a grad
 torch.optim skips it, so the set changes), and when that happens more than once in
 ``REPLAYS_PER_CAPTURE`` steps the graph is given up for good (eager steps from then on). The
 learning rate and weight decay are not baked in: they enter through device scalars refreshed
-before each replay (LR schedules keep working). In the graph each matrix's momentum and
+before each replay (LR schedules keep working), as does a gradient clip's factor that the clip
+left to the step (``clip_grad_norm_(defer_owned=True)``, what the torchtitan plugin does): each
+momentum pass multiplies its float32 gradient by it as it reads it, which saves the clip's own
+pass over the matrices' gradients. In the graph each matrix's momentum and
 update run as fused passes of their own: the launches cost the host nothing there, and the
 eager step's foreach passes over small matrices, which save launches, move three times the
 bytes. The two may round the last bit differently.
@@ -68,12 +71,16 @@ REPLAYS_PER_CAPTURE = 20
 
 class StepScalars:
     """Device values the captured step reads when it runs: the lr-dependent factors (the
-    decay ``1 − lr·wd`` and, per matrix shape, the step ``adjusted_lr``), refreshed by kernel
-    launches (``fill_``), and the table of the gradients' addresses (:meth:`point_at`)."""
+    decay ``1 − lr·wd`` and, per matrix shape, the step ``adjusted_lr``) and the factor on
+    float32 gradients (a clip's, deferred to the step; else 1), refreshed by kernel launches
+    (``fill_``, ``copy_``), and the table of the gradients' addresses (:meth:`point_at`)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
         self.decay = torch.ones((), device=device, dtype=dtype)
+        #: multiplies each float32 gradient as the momentum pass reads it
+        self.grad_scale = torch.ones((), device=device, dtype=torch.float32)
+        self._grad_scale_is_one = True
         self.steps: dict[tuple[int, ...], torch.Tensor] = {}
         #: one int64 slot per stepped matrix (in the order :meth:`point_at` got them): the
         #: address of its gradient, which the momentum kernel loads when it runs
@@ -87,10 +94,17 @@ class StepScalars:
             self.steps[key] = torch.zeros((), device=self.device, dtype=self.dtype)
         return self.steps[key]
 
-    def refresh(self, group: dict[str, Any]) -> None:
+    def refresh(self, group: dict[str, Any], grad_scale: torch.Tensor | None = None) -> None:
+        """Set the scalars for the next run: ``group``'s lr and weight decay, and
+        ``grad_scale`` (0-d; None: 1) as the gradients' factor."""
         self.decay.fill_(1 - group["lr"] * group["weight_decay"])
         for shape, value in self.steps.items():
             value.fill_(update.adjusted_lr(group["lr"], group["adjust_lr_fn"], shape))
+        if grad_scale is not None:
+            self.grad_scale.copy_(grad_scale)
+        elif not self._grad_scale_is_one:
+            self.grad_scale.fill_(1.0)
+        self._grad_scale_is_one = grad_scale is None
 
     def gradient_slot(self, param: torch.Tensor) -> torch.Tensor:
         """The 0-d int64 slot holding ``param``'s gradient address."""
@@ -155,10 +169,12 @@ class MuonStepGraph:
         params: list[torch.Tensor],
         buffers: list[torch.Tensor],
         body: Callable[[StepScalars], None],
+        grad_scale: torch.Tensor | None = None,
     ) -> bool:
         """Run the step by the graph (capturing it first if needed); ``False``: it was
         not (the caller steps eagerly). ``body(scalars)`` issues the step's kernels, each
-        matrix's gradient read through ``scalars.gradient_slot``."""
+        matrix's gradient read through ``scalars.gradient_slot`` and multiplied by
+        ``scalars.grad_scale``, which holds ``grad_scale`` (0-d float32; None: 1)."""
         if self.disabled:
             return False
         key = self._key(group, params, buffers)
@@ -181,7 +197,7 @@ class MuonStepGraph:
                 )
                 return False
             self._drain()  # (the graph replaced may still run, reading the old table)
-        self.scalars.refresh(group)
+        self.scalars.refresh(group, grad_scale)
         self.scalars.point_at(params, fresh_table=recording)
         if not self.warmed:
             body(self.scalars)
@@ -238,7 +254,7 @@ class MuonStepGraph:
         again before the side stream's work queued at that time is done."""
         stream = self._side_stream()
         tensors = [p.data for p in params] + list(buffers) + [self.scalars.gradients]
-        tensors += [self.scalars.decay, *self.scalars.steps.values()]
+        tensors += [self.scalars.decay, self.scalars.grad_scale, *self.scalars.steps.values()]
         for tensor in tensors:
             tensor.record_stream(stream)
 

@@ -71,3 +71,38 @@ def median_milliseconds(
         if i >= warmup:
             times.append(timer.milliseconds()["call"])
     return statistics.median(times)
+
+
+def graph_median_milliseconds(
+    fn: Callable[[], object],
+    device: torch.device | str,
+    warmup: int,
+    reps: int,
+    calls: int = 10,
+) -> float:
+    """GPU milliseconds per call of ``fn`` with no host time in them (benchmarks of kernels
+    shorter than their launch): ``calls`` calls captured in one CUDA graph, the graph
+    replayed ``reps`` times, the median replay divided by ``calls``. Per-call events
+    (:func:`median_milliseconds`) count the host's launch of each call too, which for
+    sub-millisecond kernels is a share of the time that differs from launcher to launcher
+    (docs/benchmarks.md, fourteenth session). Off CUDA: :func:`median_milliseconds`."""
+    if torch.device(device).type != "cuda":
+        return median_milliseconds(fn, device, warmup, reps)
+    for _ in range(warmup):  # (compiles, allocates, loads the kernels: not in the capture)
+        fn()
+    torch.cuda.synchronize(device)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)

@@ -103,6 +103,11 @@ class DMuonState:
         #: they run on a side stream, and what reads the matrices waits for them (weak: an
         #: optimizer dropped for a new one takes its graph along)
         self.step_graphs: weakref.WeakSet = weakref.WeakSet()
+        #: the DMuon optimizers (``dmuon_titan.Muon``) that step the owned matrices
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()
+        #: a gradient clip's factor left to the optimizer's step (:meth:`defer_grad_scale`):
+        #: the factor and, per owned master it is due on, the id of the gradient it was due on
+        self._deferred_grad_scale: tuple[torch.Tensor, list[tuple[torch.Tensor, int]]] | None = None
         #: how many times the gradient-presence flags were read back (a host sync each);
         #: stays 0 while every owner has its own gradient for every matrix it owns
         self.presence_syncs = 0
@@ -159,6 +164,7 @@ class DMuonState:
         """The model's own forward starts: a new pass over the schedule."""
         if in_backward():
             return
+        self.apply_deferred_grad_scale()  # (a clip whose step never came: before any new grad)
         self.lazy_init()
         if self.direct:
             self.wait_for_step()
@@ -398,6 +404,48 @@ class DMuonState:
         if pending:
             self.presence_syncs += finalize(pending, self.gradient_divide_factor, self.tp_exchange)
 
+    # ------------------------------------------------------------------ clipping
+    def can_defer_grad_scale(self, grads: list[torch.Tensor]) -> bool:
+        """Whether a gradient clip may leave its factor for the owned gradients ``grads`` to
+        the optimizer's step (:meth:`defer_grad_scale`): on one rank (the direct path, whose
+        captured step applies it inside its momentum pass: one pass over the gradients less),
+        with one DMuon optimizer stepping the matrices, and float32 gradients (rounded there
+        as a multiply of their own rounds them)."""
+        return (
+            self.direct
+            and len(self.optimizers) == 1
+            and all(g.dtype == torch.float32 for g in grads)
+        )
+
+    def defer_grad_scale(self, factor: torch.Tensor, masters: list[torch.Tensor]) -> None:
+        """Record ``factor`` (0-d, on the gradients' device) as due on the gradients of the
+        owned ``masters``, without multiplying them: the optimizer's next step applies it
+        (:meth:`take_grad_scale`), or the next forward does if no step came first
+        (:meth:`apply_deferred_grad_scale`). A factor still pending is applied first (two
+        clips: two multiplies, rounded in turn)."""
+        self.apply_deferred_grad_scale()
+        due = [(p, id(p.grad)) for p in masters]
+        self._deferred_grad_scale = (factor.to(torch.float32), due)
+
+    def take_grad_scale(self) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """The pending factor and the masters whose gradients it is still due on (those whose
+        gradient is the one of the clip), or None; either way nothing is pending after."""
+        pending, self._deferred_grad_scale = self._deferred_grad_scale, None
+        if pending is None:
+            return None
+        factor, due = pending
+        return factor, [p for p, grad in due if p.grad is not None and id(p.grad) == grad]
+
+    def apply_deferred_grad_scale(self) -> None:
+        """Multiply the gradients a pending factor is due on, now, as the clip would have."""
+        taken = self.take_grad_scale()
+        if taken is not None:
+            scale_gradients_(taken[1], taken[0])
+
+    def drop_deferred_grad_scale(self) -> None:
+        """Forget a pending factor (its gradients were zeroed or dropped)."""
+        self._deferred_grad_scale = None
+
     # ------------------------------------------------------------------ replicas
     def _make_tp_copies(self) -> None:
         """With tensor parallelism, the tp-shard copies of the owner's shard column (filled
@@ -460,6 +508,14 @@ class DMuonState:
     # ------------------------------------------------------------------ queries
     def owned_params(self) -> list[DedicatedParam]:
         return [p for p in self.params if p.is_owner]
+
+
+def scale_gradients_(params: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """``p.grad ← p.grad · factor`` for every one of ``params`` (one foreach multiply, as a
+    gradient clip multiplies)."""
+    grads = [p.grad for p in params]
+    if grads:
+        torch._foreach_mul_(grads, factor.to(device=grads[0].device, dtype=grads[0].dtype))
 
 
 def _nearest_mp_policy(module: nn.Module, parents: dict[nn.Module, nn.Module]):

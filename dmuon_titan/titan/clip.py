@@ -1,6 +1,7 @@
 """torchtitan's ``clip_grad_norm_`` (looked up through ``torchtitan.distributed.utils`` at
 call time), extended to models with dedicated matrices: the logged norm is the true global
-norm and clipping reaches the owned gradients."""
+norm and clipping reaches the owned gradients (on one GPU through the optimizer's captured
+step: ``defer_owned`` of :func:`dmuon_titan.clip.clip_grads_`)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def clip_grad_norm_(
         return _stock(
             parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled
         )
+    # torchtitan steps right after clipping: the owned gradients' factor may go to the step
     return clip_grads_(
-        parameters, states, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh
+        parameters, states, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, True
     )
 
 

@@ -14,8 +14,11 @@ Variants: ``adamw`` (fused AdamW on everything), ``dmuon`` (DMuon's one-rank dir
 Muon on the default matrices, fused AdamW on the rest, the captured step on its own stream),
 ``dmuon_sync`` (the same, ``async_step=False``: replayed on the compute stream), ``dmuon_eager``
 (the same, ``cuda_graph=False``), ``dmuon_auto`` (``dmuon`` with ``ns_algorithm="auto"``: Gram NS
-and the symmetric kernel where they are faster; same math, other rounding), ``torch_muon`` (``torch.optim.Muon`` on the same matrices +
-fused AdamW). bf16 autocast on CUDA, as torchtitan's single-device training. ``--h2d`` keeps
+and the symmetric kernel where they are faster; same math, other rounding), ``dmuon_auto_clipnow``
+(``dmuon_auto`` with the clip's multiply of the owned gradients done by the clip, as before the
+captured step took it over), ``torch_muon`` (``torch.optim.Muon`` on the same matrices + fused
+AdamW). Every step clips by the global norm 1.0 (torchtitan's default): DMuon's variants by
+``dmuon_titan.clip_grad_norm_(defer_owned=True)``, as the torchtitan plugin does. bf16 autocast on CUDA, as torchtitan's single-device training. ``--h2d`` keeps
 the batches on the host and copies each to the GPU as torchtitan does (a blocking copy: the
 host waits for the compute stream), otherwise they stay on the GPU.
 
@@ -39,7 +42,15 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon_titan as dmuon
 from dmuon_titan.toy.flavors import add_flavors
 
-VARIANTS = ("adamw", "dmuon", "dmuon_sync", "dmuon_eager", "dmuon_auto", "torch_muon")
+VARIANTS = (
+    "adamw",
+    "dmuon",
+    "dmuon_sync",
+    "dmuon_eager",
+    "dmuon_auto",
+    "dmuon_auto_clipnow",
+    "torch_muon",
+)
 
 
 def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: float):
@@ -53,7 +64,7 @@ def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: 
     predicate = muon_predicate([], model)
     if variant.startswith("dmuon"):
         mesh = init_device_mesh(device.type, (1,))
-        algorithm = "auto" if variant == "dmuon_auto" else "plain"
+        algorithm = "auto" if variant.startswith("dmuon_auto") else "plain"
         dmuon.dedicate_params(model, mesh, predicate, ns_algorithm=algorithm)
     model.to_empty(device=device)
     with torch.no_grad():
@@ -119,13 +130,18 @@ def main() -> None:
             torch.cuda.synchronize()
 
     def train_block(model, optimizers) -> None:
+        variant = next(v for v, run in runs.items() if run[0] is model)
         for tokens in batches:
             tokens = tokens.to(device)  # (--h2d: torchtitan's blocking copy)
             with autocast:
                 logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            if variant.startswith("dmuon"):
+                defer = not variant.endswith("_clipnow")
+                dmuon.clip_grad_norm_(model, 1.0, foreach=True, defer_owned=defer)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
             for opt in optimizers:
                 opt.step()
                 opt.zero_grad()
@@ -171,7 +187,7 @@ def main() -> None:
             ratio = f"{base[kind] / t:.3f}" if base else "-"
             row += [f"{t * 1e3:.1f}", f"{tokens / t:,.0f}", ratio]
         print("| " + " | ".join(row) + " |")
-    for v in ("dmuon", "dmuon_sync", "dmuon_auto"):
+    for v in ("dmuon", "dmuon_sync", "dmuon_auto", "dmuon_auto_clipnow"):
         if v in runs:
             record = runs[v][1][0].step_graph
             print(

@@ -5,9 +5,11 @@ For each case (``BxMxK``: a batch of B products of an M×K matrix with an M×K m
 transpose, X·Xᵀ; ``sq`` suffix: the product of two symmetric M×M matrices, K = M) it times the
 full cuBLAS product, ``symmetric.symmetric_matmul`` in 4 row panels, and the kernel of
 ``dmuon_titan.symmetric`` for each launch configuration in ``--configs``, and checks the
-kernel's result against cuBLAS. Rates are *full-product-equivalent* (2·M²·K FLOPs per product
-/ time) as a share of an N×N bf16 matmul measured in the same process: the kernel does half
-of those FLOPs, so 100 % of the matmul rate here means it runs at half the matmul rate.
+kernel's result against cuBLAS. Times are GPU times of CUDA graphs of 10 calls (no host
+launch time: ``timing.graph_median_milliseconds``). Rates are *full-product-equivalent*
+(2·M²·K FLOPs per product / time) as a share of an N×N bf16 matmul measured in the same
+process: the kernel does half of those FLOPs, so 100 % of the matmul rate here means it runs
+at half the matmul rate.
 
     python3 scripts/bench/bench_symmetric.py
     python3 scripts/bench/bench_symmetric.py --cases 16x4096x14336,8x4096sq --configs 128/64/8/3
@@ -22,7 +24,7 @@ from functools import partial
 import torch
 
 from dmuon_titan import symmetric
-from dmuon_titan.timing import median_milliseconds as timed
+from dmuon_titan.timing import graph_median_milliseconds as timed
 
 DEFAULT_CASES = "1x4096x14336,8x4096x14336,1x4096sq,8x4096sq,32x1024x4096,32x1024sq"
 DEFAULT_CONFIGS = "128/64/8/4,128/64/8/3,128/128/8/3,64/64/4/4"

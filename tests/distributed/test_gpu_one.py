@@ -137,6 +137,23 @@ def test_captured_step_takes_the_fused_passes_in_float32():
     assert max(relative_errors(graph["weights"], reference, init).values()) <= 1e-4
 
 
+def test_a_clip_deferred_to_the_captured_step_changes_no_bit():
+    """float32, every step's gradients clipped (``max_norm`` far below their norm): the
+    captured step multiplying each gradient by the clip's factor as its momentum pass reads
+    it (``clip_grad_norm_(defer_owned=True)``) gives the weights of clipping in place, bit
+    for bit (the product is rounded on its own, not contracted), captured once and replayed
+    for the rest while the gradients move."""
+    cfg = RunConfig(param_dtype=torch.float32, ns_dtype=torch.float32, device="cuda", max_norm=1e-3)
+    clipped, deferred = run_ranks(
+        graph_and_eager, 1, [cfg, with_(cfg, defer_clip=True)], backend="nccl"
+    )[0]
+    assert deferred["captures"] == 1 and deferred["replays"] == cfg.steps - 1
+    assert clipped["captures"] == 1 and deferred["moved"] >= 2
+    init = initial_state(cfg)
+    assert any(not torch.equal(deferred["weights"][k].cpu(), init[k].cpu()) for k in init)
+    assert all(torch.equal(clipped["weights"][k], deferred["weights"][k]) for k in init)
+
+
 #: GPU cycles each replay is held back by (≈ 200 ms): a read or write that does not wait for
 #: the step in flight then sees the old matrices, and a gradient zeroed or overwritten after
 #: the step but not queued behind it is changed before the replay reads it

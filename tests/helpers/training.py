@@ -76,6 +76,7 @@ class RunConfig:
     ns_coefficients: tuple = (3.4445, -4.7750, 2.0315)
     mixed_precision: bool = False
     max_norm: float | None = None  # clip gradients by the global norm before each step
+    defer_clip: bool = False  # clip_grad_norm_(defer_owned=True): the step applies it
     model: str = "toy"  # a key of MODELS
     meta_init: bool = True
     device: str = "cpu"
@@ -336,7 +337,7 @@ def train_step(cfg: RunConfig, model, optimizer, step: int, rank: int, world_siz
         with contextlib.nullcontext() if last else dmuon.no_sync(model):
             (loss_fn(model(chunk), chunk) / len(chunks)).backward()
     if cfg.max_norm is not None:
-        dmuon.clip_grad_norm_(model, cfg.max_norm)
+        dmuon.clip_grad_norm_(model, cfg.max_norm, defer_owned=cfg.defer_clip)
     optimizer.step()
     optimizer.zero_grad()
 

@@ -123,6 +123,52 @@ def test_momentum_kernel_reads_the_gradient_through_its_address(layout, param_dt
 
 
 @cuda
+@pytest.mark.parametrize("layout", ["contiguous", "transposed_out"])
+@pytest.mark.parametrize("by_address", [False, True])
+def test_momentum_kernel_scales_the_gradient_as_a_multiply_of_its_own(layout, by_address):
+    """``grad_scale`` (a clip's factor deferred to the step): the kernel writes bit for bit
+    what it writes given the gradient multiplied beforehand (``grad * scale``, as the clip's
+    multiply rounds it): the product is not contracted into the lerp's arithmetic."""
+    grad, buffer = _tensors((1031, 517), "cuda")
+    scale = torch.tensor(0.3137, device="cuda")
+
+    def out():
+        return (
+            torch.empty(517, 1031, dtype=torch.bfloat16, device="cuda").mT
+            if layout == "transposed_out"
+            else torch.empty(1031, 517, dtype=torch.bfloat16, device="cuda")
+        )
+
+    expected, expected_buffer = out(), buffer.clone()
+    fused.momentum_direction_into(grad * scale, expected_buffer, expected, 0.95, True)
+    got, got_buffer = out(), buffer.clone()
+    slot = torch.tensor(grad.data_ptr(), dtype=torch.int64, device="cuda") if by_address else None
+    fused.momentum_direction_into(
+        grad, got_buffer, got, 0.95, True, grad_address=slot, grad_scale=scale
+    )
+    assert torch.equal(got_buffer, expected_buffer) and torch.equal(got, expected)
+    assert not torch.equal(got_buffer, buffer.clone().lerp_(grad, 0.05))  # (it did scale)
+
+
+def test_momentum_scale_needs_a_float32_gradient():
+    grad, buffer = _tensors((3, 4), "cpu")
+    with pytest.raises(ValueError, match="float32 gradient"):
+        fused.momentum_direction_into(
+            grad.bfloat16(), buffer, torch.empty(3, 4), 0.95, True, grad_scale=torch.tensor(0.5)
+        )
+
+
+def test_eager_momentum_scales_the_gradient_first():
+    grad, buffer = _tensors((37, 53), "cpu")
+    scale = torch.tensor(0.3137)
+    expected, expected_buffer = torch.empty(37, 53), buffer.clone()
+    fused.momentum_direction_into(grad * scale, expected_buffer, expected, 0.95, True)
+    got, got_buffer = torch.empty(37, 53), buffer.clone()
+    fused.momentum_direction_into(grad, got_buffer, got, 0.95, True, grad_scale=scale)
+    assert torch.equal(got_buffer, expected_buffer) and torch.equal(got, expected)
+
+
+@cuda
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
@@ -196,8 +242,8 @@ for nesterov in (True, False):
     ref_out = (grad.lerp(ref_buf, 0.95) if nesterov else ref_buf).bfloat16()
     grid = (triton.cdiv(grad.numel(), fused._BLOCK),)
     fused._momentum_kernel[grid](
-        grad, buf, out, grad.numel(), 1 - 0.95, 0.95, NESTEROV=nesterov, BY_ADDRESS=False,
-        GRAD_TYPE=None,
+        grad, buf, out, buf, grad.numel(), 1 - 0.95, 0.95, NESTEROV=nesterov, BY_ADDRESS=False,
+        GRAD_TYPE=None, SCALED=False,
         BLOCK=fused._BLOCK,
     )
     torch.testing.assert_close(buf, ref_buf, rtol=2e-7, atol=1e-7)
@@ -211,8 +257,8 @@ for nesterov in (True, False):  # the tiled pass, into a transposed view
     ref_out = (grad.lerp(ref_buf, 0.95) if nesterov else ref_buf).bfloat16()
     wide = torch.empty(130, 70, dtype=torch.bfloat16)
     fused._momentum_kernel_2d[(triton.cdiv(70, fused._TILE), triton.cdiv(130, fused._TILE))](
-        grad, buf, wide.mT, 70, 130, 1, 70, 1 - 0.95, 0.95, NESTEROV=nesterov, BY_ADDRESS=False,
-        GRAD_TYPE=None,
+        grad, buf, wide.mT, buf, 70, 130, 1, 70, 1 - 0.95, 0.95, NESTEROV=nesterov,
+        BY_ADDRESS=False, GRAD_TYPE=None, SCALED=False,
         TILE=fused._TILE,
     )
     torch.testing.assert_close(buf, ref_buf, rtol=2e-7, atol=1e-7)
@@ -227,18 +273,38 @@ runs = []
 for by_address in (False, True):
     b, out = buf.clone(), torch.empty(70, 130, dtype=torch.bfloat16)
     fused._momentum_kernel[(triton.cdiv(grad.numel(), fused._BLOCK),)](
-        slot if by_address else grad, b, out, grad.numel(), 1 - 0.95, 0.95, NESTEROV=True,
-        BY_ADDRESS=by_address, GRAD_TYPE=f32 if by_address else None, BLOCK=fused._BLOCK,
+        slot if by_address else grad, b, out, b, grad.numel(), 1 - 0.95, 0.95, NESTEROV=True,
+        BY_ADDRESS=by_address, GRAD_TYPE=f32 if by_address else None, SCALED=False,
+        BLOCK=fused._BLOCK,
     )
     b2, wide = buf.clone(), torch.empty(130, 70, dtype=torch.bfloat16)
     fused._momentum_kernel_2d[(triton.cdiv(70, fused._TILE), triton.cdiv(130, fused._TILE))](
-        slot if by_address else grad, b2, wide.mT, 70, 130, 1, 70, 1 - 0.95, 0.95,
+        slot if by_address else grad, b2, wide.mT, b2, 70, 130, 1, 70, 1 - 0.95, 0.95,
         NESTEROV=True, BY_ADDRESS=by_address, GRAD_TYPE=f32 if by_address else None,
-        TILE=fused._TILE,
+        SCALED=False, TILE=fused._TILE,
     )
     runs.append((b, out, b2, wide))
 assert all(torch.equal(x, y) for x, y in zip(*runs))
 assert not torch.equal(runs[1][0], buf)  # (it did read a gradient)
+
+# A gradient factor read from device memory (a clip deferred to the step): both kernels
+# write what they write given the gradient multiplied beforehand, bit for bit.
+scale = torch.tensor(0.3137, dtype=torch.float32)
+runs = []
+for scaled in (False, True):
+    g = grad if scaled else grad * scale
+    b, out = buf.clone(), torch.empty(70, 130, dtype=torch.bfloat16)
+    fused._momentum_kernel[(triton.cdiv(grad.numel(), fused._BLOCK),)](
+        g, b, out, scale if scaled else b, grad.numel(), 1 - 0.95, 0.95, NESTEROV=True,
+        BY_ADDRESS=False, GRAD_TYPE=None, SCALED=scaled, BLOCK=fused._BLOCK,
+    )
+    b2, wide = buf.clone(), torch.empty(130, 70, dtype=torch.bfloat16)
+    fused._momentum_kernel_2d[(triton.cdiv(70, fused._TILE), triton.cdiv(130, fused._TILE))](
+        g, b2, wide.mT, scale if scaled else b2, 70, 130, 1, 70, 1 - 0.95, 0.95,
+        NESTEROV=True, BY_ADDRESS=False, GRAD_TYPE=None, SCALED=scaled, TILE=fused._TILE,
+    )
+    runs.append((b, out, b2, wide))
+assert all(torch.equal(x, y) for x, y in zip(*runs))
 
 for transposed in (False, True):
     param = torch.randn(70, 130)

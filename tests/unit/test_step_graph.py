@@ -168,3 +168,87 @@ def test_the_model_state_dict_waits_and_a_dropped_optimizer_lets_go_of_its_step(
     del optimizer
     gc.collect()
     assert list(state.step_graphs) == [in_flight]
+
+
+def _clipped_run(cpu_mesh, graph: bool, defer: bool, steps: int = 4, dtype=torch.float32):
+    """Train with every step's gradients clipped by a norm they exceed (so each clip scales);
+    returns the weights, the clip norms and, per step, whether the owned gradients read the
+    same after the clip as before it."""
+    torch.manual_seed(0)
+    model = ToyTransformer().to(dtype)
+    dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
+    optimizer = dmuon.Muon(
+        model, lr=0.02, adamw_lr=1e-3, ns_dtype=dtype, adjust_lr_fn="match_rms_adamw"
+    )
+    norms, untouched = [], []
+    patches = (
+        mock.patch.object(Muon, "_graph_eligible", lambda self, group, todo: bool(todo)),
+        mock.patch.object(
+            step_graph.MuonStepGraph, "_capture", lambda self, body: _ReplayedBody(body, self)
+        ),
+    )
+    with patches[0] if graph else contextlib.nullcontext(), patches[1]:
+        for step in range(steps):
+            tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
+            loss_fn(model(tokens), tokens).backward()
+            owned = [p for p in optimizer.param_groups[0]["params"] if p.grad is not None]
+            before = [p.grad.clone() for p in owned]
+            norms.append(dmuon.clip_grad_norm_(model, 0.05, defer_owned=defer))
+            untouched.append(
+                all(torch.equal(b, p.grad) for b, p in zip(before, owned, strict=True))
+            )
+            optimizer.step()
+            optimizer.zero_grad()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return weights, torch.stack(norms), untouched, optimizer.step_graph
+
+
+def test_a_clip_deferred_to_the_step_gives_the_same_weights_bit_for_bit(cpu_mesh):
+    """``clip_grad_norm_(defer_owned=True)`` on one rank: the owned gradients are left as they
+    are, and the step multiplies them (the captured step as its momentum pass reads each one,
+    the eager step first): the same norms and the same weights, bit for bit, as clipping them
+    in place; the clip did scale (every norm above max_norm)."""
+    for graph in (False, True):
+        clipped, norms, untouched, _ = _clipped_run(cpu_mesh, graph, defer=False)
+        deferred, deferred_norms, deferred_untouched, record = _clipped_run(
+            cpu_mesh, graph, defer=True
+        )
+        assert bool((norms > 0.05).all()) and torch.equal(norms, deferred_norms)
+        assert not any(untouched) and all(deferred_untouched)
+        assert all(torch.equal(clipped[k], deferred[k]) for k in clipped), graph
+        assert record.replays == (3 if graph else 0)
+
+
+def test_a_deferred_clip_reaches_the_gradients_by_the_next_forward(cpu_mesh):
+    """No step after the clip: the next forward multiplies the gradients (before any new one
+    accumulates); ``zero_grad`` forgets the factor; where it cannot be deferred (float64
+    gradients) the clip multiplies at once."""
+    torch.manual_seed(0)
+    model = ToyTransformer()
+    dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)
+    state = model._dmuon_state
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    loss_fn(model(tokens), tokens).backward()
+    owned = optimizer.param_groups[0]["params"]
+    before = [p.grad.clone() for p in owned]
+    norm = dmuon.clip_grad_norm_(model, 0.05, defer_owned=True)
+    factor = (0.05 / (norm + 1e-6)).clamp(max=1.0)
+    assert all(torch.equal(b, p.grad) for b, p in zip(before, owned, strict=True))
+    with torch.no_grad():
+        model(tokens)
+    assert all(torch.equal(b * factor, p.grad) for b, p in zip(before, owned, strict=True))
+    assert state.take_grad_scale() is None
+    dmuon.clip_grad_norm_(model, 0.05, defer_owned=True)
+    assert state.take_grad_scale() is not None  # (taken: pending no more)
+    dmuon.clip_grad_norm_(model, 0.05, defer_owned=True)
+    optimizer.zero_grad()
+    assert state.take_grad_scale() is None
+    double = ToyTransformer().double()
+    dmuon.dedicate_params(double, cpu_mesh, dedicated_predicate)
+    dmuon.Muon(double, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64)
+    loss_fn(double(tokens), tokens).backward()
+    grads = [p.grad.clone() for p in double.parameters()]
+    dmuon.clip_grad_norm_(double, 0.05, defer_owned=True)
+    assert not any(torch.equal(g, p.grad) for g, p in zip(grads, double.parameters(), strict=True))
+    assert double._dmuon_state.take_grad_scale() is None
