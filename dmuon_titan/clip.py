@@ -39,10 +39,13 @@ def clip_grad_norm_(
 
     ``defer_owned``: where it can (:meth:`DMuonState.can_defer_grad_scale
     <dmuon_titan.runtime.state.DMuonState.can_defer_grad_scale>`: one rank, float32
-    gradients, one DMuon optimizer), leave the owned gradients as they are and let the
-    optimizer's next step multiply them as it reads them (its captured step saves a pass over
-    them). Until that step (or the next forward) their ``.grad`` reads unclipped: for a loop
-    that steps right after clipping, as torchtitan's; the results are the same.
+    gradients, one DMuon optimizer that may capture its step), leave the owned gradients as
+    they are, the factor owed: the captured step multiplies each gradient as its momentum pass
+    reads it (one pass over them less); an eager step, the next clip or the next forward
+    multiplies them first, ``Muon.zero_grad`` drops it. The weights are the same, bit for
+    bit, but until then the owned ``.grad`` read unclipped, and one replaced or changed in
+    place meanwhile is an error at the next of those: for a loop that steps (or zeroes the
+    gradients through the optimizer) right after clipping, as torchtitan's.
     """
     models = [model] if isinstance(model, nn.Module) else list(model)
     states = [s for m in models if (s := getattr(m, STATE_ATTR, None)) is not None]
@@ -67,6 +70,7 @@ def clip_grads_(
     (each finalized first)."""
     for state in states:
         state.finalize_reduces()
+        state.apply_deferred_grad_scale()  # (a factor still owed: the norm is of clipped ones)
     if len({state.mesh.world_size for state in states}) > 1:
         raise ValueError(
             "clip_grad_norm_: the model parts' dedicated matrices are on different meshes"

@@ -227,6 +227,12 @@ class Muon(torch.optim.Optimizer):
         self.timer.stop("optimizer", stream=side)
         return loss
 
+    @property
+    def may_capture_step(self) -> bool:
+        """Whether this optimizer may still run its matrices' step as a captured graph
+        (``cuda_graph``, not given up)."""
+        return self.options.cuda_graph and not self.step_graph.disabled
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; gradients zeroed in place
         (``set_to_none=False``) first wait, on the GPU, for a captured step still in flight on
@@ -287,9 +293,9 @@ class Muon(torch.optim.Optimizer):
             mine = [p for p in todo if dedicated_of(p).shared_ns]
             todo = [p for p in todo if not dedicated_of(p).shared_ns]
         captured = self._graph_eligible(group, todo)
-        # A clip's factor left to this step (DMuonState.defer_grad_scale): the captured step
-        # multiplies each gradient as its momentum pass reads it; every other path first
-        # multiplies the gradients, as the clip would have.
+        # A clip's factor the gradients still owe (DMuonState.defer_grad_scale): the captured
+        # step multiplies each gradient by it as its momentum pass reads it (and the factor
+        # stays owed); every other path first multiplies the gradients, as the clip would have.
         deferred = self._dmuon.take_grad_scale() if self._dmuon is not None else None
         factor, in_graph = None, []
         if deferred is not None:
@@ -309,6 +315,8 @@ class Muon(torch.optim.Optimizer):
                 self._step_matrices(group, todo, coefficients, scalars)
 
             if self.step_graph.run(group, todo, buffers, body, factor if in_graph else None):
+                if in_graph:  # (still not multiplied: owed until settled or dropped)
+                    self._dmuon.defer_grad_scale(factor, in_graph)
                 return
             scale_gradients_(in_graph, factor)  # (no graph after all)
         self._step_matrices(group, todo, coefficients)

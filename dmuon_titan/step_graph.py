@@ -26,9 +26,10 @@ torch.optim skips it, so the set changes), and when that happens more than once 
 ``REPLAYS_PER_CAPTURE`` steps the graph is given up for good (eager steps from then on). The
 learning rate and weight decay are not baked in: they enter through device scalars refreshed
 before each replay (LR schedules keep working), as does a gradient clip's factor that the clip
-left to the step (``clip_grad_norm_(defer_owned=True)``, what the torchtitan plugin does): each
+left owed (``clip_grad_norm_(defer_owned=True)``, what the torchtitan plugin does): each
 momentum pass multiplies its float32 gradient by it as it reads it, which saves the clip's own
-pass over the matrices' gradients. In the graph each matrix's momentum and
+pass over the matrices' gradients (the gradients still owe it after the step:
+``DMuonState.defer_grad_scale``). In the graph each matrix's momentum and
 update run as fused passes of their own: the launches cost the host nothing there, and the
 eager step's foreach passes over small matrices, which save launches, move three times the
 bytes. The two may round the last bit differently.

@@ -22,7 +22,7 @@ from . import hooks
 from .bucket import PendingReduce, finalize
 from .collectives import Collectives
 from .group import BoundaryGroup, TrainingState, UnshardState
-from .owned_param import DedicatedParam
+from .owned_param import DedicatedParam, dedicated_of
 from .schedule import (
     BackwardCursor,
     ForwardCursor,
@@ -105,9 +105,10 @@ class DMuonState:
         self.step_graphs: weakref.WeakSet = weakref.WeakSet()
         #: the DMuon optimizers (``dmuon_titan.Muon``) that step the owned matrices
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
-        #: a gradient clip's factor left to the optimizer's step (:meth:`defer_grad_scale`):
-        #: the factor and, per owned master it is due on, the id of the gradient it was due on
-        self._deferred_grad_scale: tuple[torch.Tensor, list[tuple[torch.Tensor, int]]] | None = None
+        #: a gradient clip's factor the owned gradients still owe (:meth:`defer_grad_scale`):
+        #: the factor and, per master, (the master, a weak reference to its gradient then,
+        #: that gradient's version counter then)
+        self._deferred_grad_scale: tuple[torch.Tensor, list[tuple]] | None = None
         #: how many times the gradient-presence flags were read back (a host sync each);
         #: stays 0 while every owner has its own gradient for every matrix it owns
         self.presence_syncs = 0
@@ -164,10 +165,12 @@ class DMuonState:
         """The model's own forward starts: a new pass over the schedule."""
         if in_backward():
             return
-        self.apply_deferred_grad_scale()  # (a clip whose step never came: before any new grad)
         self.lazy_init()
         if self.direct:
             self.wait_for_step()
+            # (an owed clip factor: settled before any new gradient accumulates, after the
+            # step in flight that reads the gradients)
+            self.apply_deferred_grad_scale()
             return
         self._end_forward_pass()  # one left open by forwards of submodules alone
         self._pass = ForwardCursor(training=torch.is_grad_enabled())
@@ -405,45 +408,63 @@ class DMuonState:
             self.presence_syncs += finalize(pending, self.gradient_divide_factor, self.tp_exchange)
 
     # ------------------------------------------------------------------ clipping
+    # A clip may leave its factor for the owned gradients owed (clip_grad_norm_(defer_owned=
+    # True)): the gradients stay as backward left them and the factor is recorded here. The
+    # captured step multiplies each gradient by it as its momentum pass reads it, and the
+    # factor stays owed; whatever else reads or changes them settles it first, multiplying
+    # them as the clip would have: an eager step, the next clip, the next forward (before a
+    # new gradient accumulates into them). Muon.zero_grad drops it with the gradients.
     def can_defer_grad_scale(self, grads: list[torch.Tensor]) -> bool:
-        """Whether a gradient clip may leave its factor for the owned gradients ``grads`` to
-        the optimizer's step (:meth:`defer_grad_scale`): on one rank (the direct path, whose
-        captured step applies it inside its momentum pass: one pass over the gradients less),
-        with one DMuon optimizer stepping the matrices, and float32 gradients (rounded there
-        as a multiply of their own rounds them)."""
-        return (
-            self.direct
-            and len(self.optimizers) == 1
-            and all(g.dtype == torch.float32 for g in grads)
-        )
+        """Whether a clip may leave its factor owed on the owned gradients ``grads``: on one
+        rank (the direct path), with one DMuon optimizer stepping the matrices that may
+        capture its step (whose momentum pass then applies it: one pass over the gradients
+        less), and float32 gradients (rounded there as a multiply of their own rounds
+        them)."""
+        if not (self.direct and len(self.optimizers) == 1):
+            return False
+        (optimizer,) = self.optimizers
+        return optimizer.may_capture_step and all(g.dtype == torch.float32 for g in grads)
 
     def defer_grad_scale(self, factor: torch.Tensor, masters: list[torch.Tensor]) -> None:
-        """Record ``factor`` (0-d, on the gradients' device) as due on the gradients of the
-        owned ``masters``, without multiplying them: the optimizer's next step applies it
-        (:meth:`take_grad_scale`), or the next forward does if no step came first
-        (:meth:`apply_deferred_grad_scale`). A factor still pending is applied first (two
-        clips: two multiplies, rounded in turn)."""
+        """Record ``factor`` (0-d, on the gradients' device) as owed on the gradients of the
+        owned ``masters``, without multiplying them (a factor still owed is settled first)."""
         self.apply_deferred_grad_scale()
-        due = [(p, id(p.grad)) for p in masters]
-        self._deferred_grad_scale = (factor.to(torch.float32), due)
+        owed = [(p, weakref.ref(p.grad), p.grad._version) for p in masters]
+        self._deferred_grad_scale = (factor.to(torch.float32), owed)
 
     def take_grad_scale(self) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """The pending factor and the masters whose gradients it is still due on (those whose
-        gradient is the one of the clip), or None; either way nothing is pending after."""
-        pending, self._deferred_grad_scale = self._deferred_grad_scale, None
-        if pending is None:
+        """The owed factor and the masters whose gradients owe it (those still holding a
+        gradient), or None; nothing is owed after (the caller settles it, or owes it again).
+        Raises if one of those gradients was replaced or changed in place since the clip:
+        the factor cannot be applied as the clip would have."""
+        owed, self._deferred_grad_scale = self._deferred_grad_scale, None
+        if owed is None:
             return None
-        factor, due = pending
-        return factor, [p for p, grad in due if p.grad is not None and id(p.grad) == grad]
+        factor, entries = owed
+        masters = []
+        for p, grad, version in entries:
+            if p.grad is None:  # dropped: nothing owes the factor any more
+                continue
+            if p.grad is not grad() or p.grad._version != version:
+                dedicated = dedicated_of(p)
+                name = dedicated.fqn if dedicated is not None else f"of shape {tuple(p.shape)}"
+                raise RuntimeError(
+                    f"DMuon: the gradient of {name!r} was replaced or changed in place after "
+                    "clip_grad_norm_(defer_owned=True), which left its clip factor owed: "
+                    "call the optimizer's step() or zero_grad() right after clipping, or clip "
+                    "with defer_owned=False"
+                )
+            masters.append(p)
+        return factor, masters
 
     def apply_deferred_grad_scale(self) -> None:
-        """Multiply the gradients a pending factor is due on, now, as the clip would have."""
+        """Settle an owed factor: multiply the gradients that owe it, now."""
         taken = self.take_grad_scale()
         if taken is not None:
             scale_gradients_(taken[1], taken[0])
 
     def drop_deferred_grad_scale(self) -> None:
-        """Forget a pending factor (its gradients were zeroed or dropped)."""
+        """Forget an owed factor (its gradients are being zeroed or dropped)."""
         self._deferred_grad_scale = None
 
     # ------------------------------------------------------------------ replicas

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from unittest import mock
 
+import pytest
 import torch
 
 import dmuon_titan as dmuon
@@ -170,10 +171,19 @@ def test_the_model_state_dict_waits_and_a_dropped_optimizer_lets_go_of_its_step(
     assert list(state.step_graphs) == [in_flight]
 
 
-def _clipped_run(cpu_mesh, graph: bool, defer: bool, steps: int = 4, dtype=torch.float32):
-    """Train with every step's gradients clipped by a norm they exceed (so each clip scales);
-    returns the weights, the clip norms and, per step, whether the owned gradients read the
-    same after the clip as before it."""
+def _clipped_run(
+    cpu_mesh,
+    graph: bool,
+    defer: bool,
+    steps: int = 4,
+    dtype=torch.float32,
+    clips: int = 1,
+    zero_grad: bool = True,
+):
+    """Train with every step's gradients clipped (``clips`` times) by a norm they exceed (so
+    each clip scales), ``zero_grad`` after each step or not (gradients accumulate across
+    steps); returns the weights, the clip norms and, per step, whether the owned gradients
+    read the same after the clips as before them."""
     torch.manual_seed(0)
     model = ToyTransformer().to(dtype)
     dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
@@ -193,12 +203,14 @@ def _clipped_run(cpu_mesh, graph: bool, defer: bool, steps: int = 4, dtype=torch
             loss_fn(model(tokens), tokens).backward()
             owned = [p for p in optimizer.param_groups[0]["params"] if p.grad is not None]
             before = [p.grad.clone() for p in owned]
-            norms.append(dmuon.clip_grad_norm_(model, 0.05, defer_owned=defer))
+            for _ in range(clips):
+                norms.append(dmuon.clip_grad_norm_(model, 0.05, defer_owned=defer))
             untouched.append(
                 all(torch.equal(b, p.grad) for b, p in zip(before, owned, strict=True))
             )
             optimizer.step()
-            optimizer.zero_grad()
+            if zero_grad:
+                optimizer.zero_grad()
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return weights, torch.stack(norms), untouched, optimizer.step_graph
 
@@ -252,3 +264,44 @@ def test_a_deferred_clip_reaches_the_gradients_by_the_next_forward(cpu_mesh):
     dmuon.clip_grad_norm_(double, 0.05, defer_owned=True)
     assert not any(torch.equal(g, p.grad) for g, p in zip(grads, double.parameters(), strict=True))
     assert double._dmuon_state.take_grad_scale() is None
+
+
+def test_an_owed_clip_factor_is_settled_by_a_second_clip_and_by_the_next_forward(cpu_mesh):
+    """The captured step leaves the factor owed: two clips before the step (the second's norm
+    is of clipped gradients), and gradients kept across steps (the next forward multiplies
+    them before backward accumulates into them), give the norms and weights of clipping in
+    place, bit for bit, eager and captured."""
+    for graph in (False, True):
+        for kind in ({"clips": 2}, {"zero_grad": False}):
+            clipped, norms, _, _ = _clipped_run(cpu_mesh, graph, defer=False, **kind)
+            deferred, deferred_norms, _, _ = _clipped_run(cpu_mesh, graph, defer=True, **kind)
+            assert torch.equal(norms, deferred_norms), (graph, kind)
+            assert all(torch.equal(clipped[k], deferred[k]) for k in clipped), (graph, kind)
+
+
+def test_an_owed_clip_factor_refuses_gradients_changed_meanwhile(cpu_mesh):
+    """A gradient replaced, or changed in place, while it owes a clip factor cannot be
+    multiplied as the clip would have: an error at the step or the next forward, naming it,
+    never a silent difference; gradients dropped meanwhile owe nothing."""
+    torch.manual_seed(0)
+    model = ToyTransformer()
+    dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    owned = optimizer.param_groups[0]["params"]
+    loss_fn(model(tokens), tokens).backward()
+    dmuon.clip_grad_norm_(model, 0.05, defer_owned=True)
+    owned[0].grad = owned[0].grad.clone()
+    with pytest.raises(RuntimeError, match="replaced or changed in place"):
+        optimizer.step()
+    optimizer.zero_grad()
+    loss_fn(model(tokens), tokens).backward()
+    dmuon.clip_grad_norm_(model, 0.05, defer_owned=True)
+    model.zero_grad(set_to_none=False)  # (not the optimizer's: the factor stays owed)
+    with pytest.raises(RuntimeError, match="defer_owned=True"):
+        model(tokens)
+    loss_fn(model(tokens), tokens).backward()
+    dmuon.clip_grad_norm_(model, 0.05, defer_owned=True)
+    model.zero_grad()  # dropped: nothing owes the factor
+    model(tokens)
+    assert all(p.grad is None for p in owned)
