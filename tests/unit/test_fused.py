@@ -1,6 +1,8 @@
 """The fused momentum and update passes: eager path bitwise equal to the unfused formulas;
 Triton kernels (CUDA only, skipped without) equal to the eager path up to fp32 rounding."""
 
+import functools
+
 import pytest
 import torch
 
@@ -16,6 +18,15 @@ def _tensors(shape, device, seed=0):
     grad = torch.randn(shape, generator=gen, device=device)
     buffer = torch.randn(shape, generator=gen, device=device)
     return grad, buffer
+
+
+def _direction_out(layout: str) -> torch.Tensor:
+    """An empty 1031×517 bf16 NS input: contiguous, or a wide buffer seen tall."""
+    return (
+        torch.empty(517, 1031, dtype=torch.bfloat16, device="cuda").mT
+        if layout == "transposed_out"
+        else torch.empty(1031, 517, dtype=torch.bfloat16, device="cuda")
+    )
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
@@ -107,12 +118,7 @@ def test_momentum_kernel_reads_the_gradient_through_its_address(layout, param_dt
     grad, buffer = (t.to(param_dtype) for t in _tensors((1031, 517), "cuda"))
     decoy = torch.full_like(grad, float("nan"))
 
-    def out():
-        return (
-            torch.empty(517, 1031, dtype=torch.bfloat16, device="cuda").mT
-            if layout == "transposed_out"
-            else torch.empty(1031, 517, dtype=torch.bfloat16, device="cuda")
-        )
+    out = functools.partial(_direction_out, layout)
 
     expected, expected_buffer = out(), buffer.clone()
     fused.momentum_direction_into(grad, expected_buffer, expected, 0.95, True)
@@ -132,12 +138,7 @@ def test_momentum_kernel_scales_the_gradient_as_a_multiply_of_its_own(layout, by
     grad, buffer = _tensors((1031, 517), "cuda")
     scale = torch.tensor(0.3137, device="cuda")
 
-    def out():
-        return (
-            torch.empty(517, 1031, dtype=torch.bfloat16, device="cuda").mT
-            if layout == "transposed_out"
-            else torch.empty(1031, 517, dtype=torch.bfloat16, device="cuda")
-        )
+    out = functools.partial(_direction_out, layout)
 
     expected, expected_buffer = out(), buffer.clone()
     fused.momentum_direction_into(grad * scale, expected_buffer, expected, 0.95, True)

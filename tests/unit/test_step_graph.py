@@ -37,6 +37,18 @@ class _ReplayedBody:
         self.body(scalars)
 
 
+@contextlib.contextmanager
+def _stand_in_graph(graph: bool):
+    """The step captured by the stand-in graph (``graph``: on CPU, every step eligible), or
+    eager."""
+    eligible = mock.patch.object(Muon, "_graph_eligible", lambda self, group, todo: bool(todo))
+    capture = mock.patch.object(
+        step_graph.MuonStepGraph, "_capture", lambda self, body: _ReplayedBody(body, self)
+    )
+    with eligible if graph else contextlib.nullcontext(), capture:
+        yield
+
+
 def _train(cpu_mesh, graph: bool, steps: int = 4, keep_grads: bool = True, freeze_at=None):
     torch.manual_seed(0)
     model = ToyTransformer().double()
@@ -45,13 +57,7 @@ def _train(cpu_mesh, graph: bool, steps: int = 4, keep_grads: bool = True, freez
         model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64, adjust_lr_fn="match_rms_adamw"
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    patches = (
-        mock.patch.object(Muon, "_graph_eligible", lambda self, group, todo: bool(todo)),
-        mock.patch.object(
-            step_graph.MuonStepGraph, "_capture", lambda self, body: _ReplayedBody(body, self)
-        ),
-    )
-    with patches[0] if graph else contextlib.nullcontext(), patches[1]:
+    with _stand_in_graph(graph):
         for step in range(steps):
             if step == freeze_at:  # one dedicated matrix stops training
                 model.layers[0].attention.wq.weight.requires_grad_(False)
@@ -191,13 +197,7 @@ def _clipped_run(
         model, lr=0.02, adamw_lr=1e-3, ns_dtype=dtype, adjust_lr_fn="match_rms_adamw"
     )
     norms, untouched = [], []
-    patches = (
-        mock.patch.object(Muon, "_graph_eligible", lambda self, group, todo: bool(todo)),
-        mock.patch.object(
-            step_graph.MuonStepGraph, "_capture", lambda self, body: _ReplayedBody(body, self)
-        ),
-    )
-    with patches[0] if graph else contextlib.nullcontext(), patches[1]:
+    with _stand_in_graph(graph):
         for step in range(steps):
             tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
             loss_fn(model(tokens), tokens).backward()
