@@ -35,6 +35,11 @@ speed depends on the data), so use at least as many tokens as the model width fo
 that hold in training. Forward and backward use TF32 matmuls (a benchmark of the optimizer, not
 of fp32 matmuls); Newton–Schulz runs in its own dtype either way.
 
+``--max-norm``: the gradients are clipped by their global norm before each step, inside the
+step's time, as training clips them: DMuon's variants by ``dmuon_titan.clip_grad_norm_``
+with ``defer_owned=True`` (the torchtitan plugin's clip: on one rank the captured step
+applies the factor to the owned gradients), the others by torch's ``clip_grad_norm_``.
+
 ``host forward`` is the host's time to issue the forward (no synchronization inside): each
 timed step starts from an idle GPU (the last step was read back), so while the host has not
 got ahead of the GPU, host time is GPU idle time. ``--settle-ms`` idles before each forward,
@@ -242,6 +247,15 @@ def _remove_boundary_hooks(model: nn.Module) -> None:
             module._forward_hooks.clear()
 
 
+def clip(model: nn.Module, variant: str, max_norm: float) -> None:
+    """Clip the gradients as training does: DMuon's variants as the torchtitan plugin does,
+    the others by torch's clip."""
+    if variant.startswith("dmuon"):
+        dmuon.clip_grad_norm_(model, max_norm, foreach=True, defer_owned=True)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+
+
 def run_variant(
     variant,
     shape,
@@ -253,6 +267,7 @@ def run_variant(
     profile=None,
     one_rank_fsdp=False,
     settle_ms=0.0,
+    max_norm=None,
 ) -> dict:
     if variant == "ns_floor":
         return run_ns_floor(shape, device, warmup, steps)
@@ -292,6 +307,8 @@ def run_variant(
         y.float().square().mean().backward()
         timer.stop("fwd_bwd")
         timer.start("step")
+        if max_norm is not None:
+            clip(model, variant, max_norm)
         optimizer.step()
         timer.stop("step")
         optimizer.zero_grad()
@@ -380,6 +397,13 @@ def main() -> None:
         help="idle time before each forward (after the last step was read back), so that "
         "the GPU's clocks recover from the step before",
     )
+    parser.add_argument(
+        "--max-norm",
+        type=float,
+        default=None,
+        help="clip the gradients by their global norm before each step, inside the step's "
+        "time (DMuon's variants as the torchtitan plugin clips)",
+    )
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -406,6 +430,7 @@ def main() -> None:
             args.profile,
             args.one_rank_fsdp,
             args.settle_ms,
+            args.max_norm,
         )
         for v in args.variants.split(",")
     ]
@@ -415,6 +440,7 @@ def main() -> None:
         print(
             f"\nllama3-{args.model} matrix stack ({shape[0]} blocks), {world} x {torch.cuda.get_device_name() if cuda else 'CPU'}, "
             f"{args.tokens} tokens, median of {args.steps} steps after {args.warmup} warm-up"
+            + ("" if args.max_norm is None else f", clipped at {args.max_norm} in the step")
         )
         print(
             "| variant | fwd+bwd (ms) | host forward (ms) | optimizer step (ms) | of which NS (ms) | step / AdamW step | total / AdamW total | peak (GiB) |"
