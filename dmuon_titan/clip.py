@@ -37,8 +37,8 @@ def clip_grad_norm_(
     every rank: the DTensor norm's reduction, an all-reduce of the owned part over the
     data-parallel world (where a part has dedicated matrices), one over ``pp_mesh``.
 
-    ``defer_owned``: where it can (:meth:`DMuonState.can_defer_grad_scale
-    <dmuon_titan.runtime.state.DMuonState.can_defer_grad_scale>`: one rank, float32
+    ``defer_owned``: where it can (:meth:`DMuonState.defer_grad_scale
+    <dmuon_titan.runtime.state.DMuonState.defer_grad_scale>`: one rank, float32
     gradients, one DMuon optimizer that may capture its step), leave the owned gradients as
     they are, the factor owed: the captured step multiplies each gradient as its momentum pass
     reads it (one pass over them less); an eager step, the next clip or the next forward
@@ -133,7 +133,7 @@ def clip_grads_(
         raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")
     clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     if defer_owned:
-        owned = _defer_owned(masters, clip_coef)
+        owned = _defer_owned(masters, clip_coef, states)
     # One foreach multiply per (device, dtype), as torch's clip_grads_with_norm_ does: a
     # Python loop over every gradient costs milliseconds of host time at small scale.
     by_kind: dict[tuple, list[torch.Tensor]] = {}
@@ -149,17 +149,20 @@ def clip_grads_(
     return total_norm
 
 
-def _defer_owned(masters: list[torch.Tensor], clip_coef: torch.Tensor) -> list[torch.Tensor]:
-    """Leave ``clip_coef`` to the optimizer's step for the owned ``masters`` whose state
-    allows it (:meth:`DMuonState.defer_grad_scale`); the gradients still to multiply now."""
-    by_state: dict[int, tuple[DMuonState, list[torch.Tensor]]] = {}
-    for p in masters:
-        state = dedicated_of(p).state_ref()
-        by_state.setdefault(id(state), (state, []))[1].append(p)
+def _defer_owned(
+    masters: list[torch.Tensor], clip_coef: torch.Tensor, states: list[DMuonState]
+) -> list[torch.Tensor]:
+    """Leave ``clip_coef`` owed on the owned ``masters`` (of ``states``) whose state allows
+    it (:meth:`DMuonState.defer_grad_scale`); the gradients still to multiply now."""
+    if len(states) == 1:  # (the usual case: no lookup per matrix)
+        by_state = {id(states[0]): (states[0], masters)}
+    else:
+        by_state: dict[int, tuple[DMuonState, list[torch.Tensor]]] = {}
+        for p in masters:
+            state = dedicated_of(p).state_ref()
+            by_state.setdefault(id(state), (state, []))[1].append(p)
     now = []
     for state, mine in by_state.values():
-        if state is not None and state.can_defer_grad_scale([p.grad for p in mine]):
-            state.defer_grad_scale(clip_coef, mine)
-        else:
+        if state is None or not state.defer_grad_scale(clip_coef, mine):
             now += [p.grad for p in mine]
     return now

@@ -315,8 +315,8 @@ class Muon(torch.optim.Optimizer):
                 self._step_matrices(group, todo, coefficients, scalars)
 
             if self.step_graph.run(group, todo, buffers, body, factor if in_graph else None):
-                if in_graph:  # (still not multiplied: owed until settled or dropped)
-                    self._dmuon.defer_grad_scale(factor, in_graph)
+                if in_graph and not self._dmuon.defer_grad_scale(factor, in_graph):
+                    scale_gradients_(in_graph, factor)  # (not multiplied: settled now)
                 return
             scale_gradients_(in_graph, factor)  # (no graph after all)
         self._step_matrices(group, todo, coefficients)

@@ -106,8 +106,8 @@ class DMuonState:
         #: the DMuon optimizers (``dmuon_titan.Muon``) that step the owned matrices
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
         #: a gradient clip's factor the owned gradients still owe (:meth:`defer_grad_scale`):
-        #: the factor and, per master, (the master, a weak reference to its gradient then,
-        #: that gradient's version counter then)
+        #: the factor and, per master, (the master, its gradient then, that gradient's version
+        #: counter then)
         self._deferred_grad_scale: tuple[torch.Tensor, list[tuple]] | None = None
         #: how many times the gradient-presence flags were read back (a host sync each);
         #: stays 0 while every owner has its own gradient for every matrix it owns
@@ -414,23 +414,30 @@ class DMuonState:
     # factor stays owed; whatever else reads or changes them settles it first, multiplying
     # them as the clip would have: an eager step, the next clip, the next forward (before a
     # new gradient accumulates into them). Muon.zero_grad drops it with the gradients.
-    def can_defer_grad_scale(self, grads: list[torch.Tensor]) -> bool:
-        """Whether a clip may leave its factor owed on the owned gradients ``grads``: on one
-        rank (the direct path), with one DMuon optimizer stepping the matrices that may
-        capture its step (whose momentum pass then applies it: one pass over the gradients
-        less), and float32 gradients (rounded there as a multiply of their own rounds
-        them)."""
+    def defer_grad_scale(self, factor: torch.Tensor, masters: list[torch.Tensor]) -> bool:
+        """Record ``factor`` (0-d, on the gradients' device) as owed on the gradients of the
+        owned ``masters``, without multiplying them (a factor still owed is settled first),
+        where that is allowed: on one rank (the direct path), with one DMuon optimizer
+        stepping the matrices that may capture its step (whose momentum pass then applies
+        it: one pass over the gradients less), and float32 gradients (rounded there as a
+        multiply of their own rounds them). Returns whether it was recorded (if not, the
+        caller multiplies)."""
+        self.apply_deferred_grad_scale()
         if not (self.direct and len(self.optimizers) == 1):
             return False
         (optimizer,) = self.optimizers
-        return optimizer.may_capture_step and all(g.dtype == torch.float32 for g in grads)
-
-    def defer_grad_scale(self, factor: torch.Tensor, masters: list[torch.Tensor]) -> None:
-        """Record ``factor`` (0-d, on the gradients' device) as owed on the gradients of the
-        owned ``masters``, without multiplying them (a factor still owed is settled first)."""
-        self.apply_deferred_grad_scale()
-        owed = [(p, weakref.ref(p.grad), p.grad._version) for p in masters]
+        if not optimizer.may_capture_step:
+            return False
+        # (the gradients themselves, held until settled or dropped: the next forward at the
+        # latest, before it allocates anything; an id could be reused by a new gradient)
+        owed = []
+        for p in masters:
+            grad = p.grad
+            if grad.dtype != torch.float32:
+                return False
+            owed.append((p, grad, grad._version))
         self._deferred_grad_scale = (factor.to(torch.float32), owed)
+        return True
 
     def take_grad_scale(self) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """The owed factor and the masters whose gradients owe it (those still holding a
@@ -445,7 +452,7 @@ class DMuonState:
         for p, grad, version in entries:
             if p.grad is None:  # dropped: nothing owes the factor any more
                 continue
-            if p.grad is not grad() or p.grad._version != version:
+            if p.grad is not grad or grad._version != version:
                 dedicated = dedicated_of(p)
                 name = dedicated.fqn if dedicated is not None else f"of shape {tuple(p.shape)}"
                 raise RuntimeError(
