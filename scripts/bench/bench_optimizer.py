@@ -38,7 +38,8 @@ of fp32 matmuls); Newton–Schulz runs in its own dtype either way.
 ``--max-norm``: the gradients are clipped by their global norm before each step, inside the
 step's time, as training clips them: DMuon's variants by ``dmuon_titan.clip_grad_norm_``
 with ``defer_owned=True`` (the torchtitan plugin's clip: on one rank the captured step
-applies the factor to the owned gradients), the others by torch's ``clip_grad_norm_``.
+applies the factor to the owned gradients), the others by torch's ``clip_grad_norm_``;
+suffix ``_clipnow`` (DMuon): ``defer_owned=False``, the owned gradients multiplied by the clip.
 
 ``host forward`` is the host's time to issue the forward (no synchronization inside): each
 timed step starts from an idle GPU (the last step was read back), so while the host has not
@@ -251,7 +252,8 @@ def clip(model: nn.Module, variant: str, max_norm: float) -> None:
     """Clip the gradients as training does: DMuon's variants as the torchtitan plugin does,
     the others by torch's clip."""
     if variant.startswith("dmuon"):
-        dmuon.clip_grad_norm_(model, max_norm, foreach=True, defer_owned=True)
+        defer = not variant.endswith("_clipnow")
+        dmuon.clip_grad_norm_(model, max_norm, foreach=True, defer_owned=defer)
     else:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
 
