@@ -300,10 +300,10 @@ class Muon(torch.optim.Optimizer):
         factor, in_graph = None, []
         if deferred is not None:
             factor, due = deferred
-            due_ids, todo_ids = {id(p) for p in due}, {id(p) for p in todo}
-            in_graph = todo if captured and due_ids >= todo_ids else []
-            skip = todo_ids if in_graph else set()
-            scale_gradients_([p for p in due if id(p) not in skip], factor)
+            todo_ids = {id(p) for p in todo}
+            if captured and todo_ids <= {id(p) for p in due}:  # (the graph scales all or none)
+                in_graph, due = todo, [p for p in due if id(p) not in todo_ids]
+            scale_gradients_(due, factor)
         for p in stacks:
             self._step_stack(p, group, coefficients)
         if shared is not None:
