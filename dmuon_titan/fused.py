@@ -222,6 +222,110 @@ def decay_and_update_many_(
     torch._foreach_add_(params, updates, alpha=-step)
 
 
+#: table addresses must be multiples of this (bytes): the kernels promise it to the compiler,
+#: which then loads and stores 16 bytes at a time
+TABLE_ALIGNMENT = 16
+
+
+def momentum_directions_by_table(
+    grads: Tensor,
+    buffers: Tensor,
+    out: Tensor,
+    grad_dtype: torch.dtype,
+    buffer_dtype: torch.dtype,
+    momentum: float,
+    nesterov: bool,
+    grad_scale: Tensor | None = None,
+) -> None:
+    """:func:`momentum_direction_into` for a batch of same-shape matrices in one launch: matrix
+    ``i``'s gradient and momentum buffer (contiguous, of ``grad_dtype`` and ``buffer_dtype``)
+    are at the addresses in ``grads[i]`` and ``buffers[i]`` (int64 device tables, read when
+    the pass runs), its direction goes to ``out[i]``. ``out`` is a 3-D batch, contiguous or
+    a transposed view of one (tall matrices written wide). Every address must be a multiple
+    of :data:`TABLE_ALIGNMENT` (the caller checks). A captured step's form: the per-matrix
+    launches it replaces each pay a launch and a ramp-up, and their gradient loads, through
+    an address the compiler knows nothing of, were not vectorized. CUDA and Triton only
+    (:func:`table_passes_run`)."""
+    if grad_scale is not None and grad_dtype != torch.float32:
+        raise ValueError(f"grad_scale needs a float32 gradient, got {grad_dtype}")
+    count, rows, cols = out.shape
+    scaled = grad_scale is not None
+    common = dict(
+        NESTEROV=nesterov,
+        GRAD_TYPE=_TL_DTYPES[grad_dtype],
+        BUF_TYPE=_TL_DTYPES[buffer_dtype],
+        SCALED=scaled,
+    )
+    scale_arg = grad_scale if scaled else grads  # (not read without SCALED)
+    weights = (float(1 - momentum), float(momentum))
+    if out.stride(2) == 1 and out.stride(1) == cols:
+        grid = (triton.cdiv(rows * cols, _BLOCK), count)
+        _momentum_table_kernel[grid](
+            grads,
+            buffers,
+            out,
+            scale_arg,
+            rows * cols,
+            out.stride(0),
+            *weights,
+            BLOCK=_BLOCK,
+            **common,
+        )
+        return
+    grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE), count)
+    _momentum_table_kernel_2d[grid](
+        grads,
+        buffers,
+        out,
+        scale_arg,
+        rows,
+        cols,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        *weights,
+        TILE=_TILE,
+        **common,
+    )
+
+
+def decay_and_update_by_table(
+    params: Tensor, param_dtype: torch.dtype, updates: Tensor, decay: Tensor, step: Tensor
+) -> None:
+    """:func:`decay_and_update_` for a batch of same-shape matrices in one launch: matrix
+    ``i`` (contiguous, of ``param_dtype``) is at the address in ``params[i]`` (an int64
+    device table, aligned as :func:`momentum_directions_by_table` requires), its update is
+    ``updates[i]`` (a 3-D batch, possibly a transposed view); ``decay`` and ``step`` are 0-d
+    device tensors read when the pass runs. CUDA and Triton only."""
+    count, rows, cols = updates.shape
+    grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE), count)
+    _update_table_kernel[grid](
+        params,
+        updates,
+        rows,
+        cols,
+        updates.stride(0),
+        updates.stride(1),
+        updates.stride(2),
+        decay,
+        step,
+        PARAM_TYPE=_TL_DTYPES[param_dtype],
+        TILE=_TILE,
+    )
+
+
+def table_passes_run(out: Tensor, *dtypes: torch.dtype) -> bool:
+    """Whether the ``*_by_table`` passes run for the batch ``out`` and matrices of ``dtypes``
+    (Triton, CUDA, the kernels' dtypes)."""
+    return (
+        enabled()
+        and out.is_cuda
+        and out.ndim == 3
+        and out.dtype in _KERNEL_DTYPES
+        and all(d in _KERNEL_DTYPES for d in dtypes)
+    )
+
+
 def divide_(matrices: Tensor, norms: Tensor) -> Tensor:
     """``matrices ← matrices / norms`` in place: one matrix (``norms`` 0-d or 1×1) or a 3-D
     batch (``norms`` of shape (B, 1, 1)), as ``Tensor.div_`` rounds it (fp32 division,
@@ -397,3 +501,108 @@ if triton is not None:
         update = tl.load(update_ptr + update_offsets, mask=mask).to(tl.float32)
         param = param * decay - step * update
         tl.store(param_ptr + param_offsets, param.to(param_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _table_pointer(table, matrix, TYPE: tl.constexpr):
+        # Matrix ``matrix``'s address from an int64 table, which the caller checked to be
+        # 16-byte aligned: said so to the compiler, its loads and stores are vectorized.
+        return tl.multiple_of(tl.load(table + matrix).to(tl.pointer_type(TYPE)), 16)
+
+    @triton.jit
+    def _momentum_table_kernel(
+        grad_table,
+        buf_table,
+        out_ptr,
+        scale_ptr,
+        n,
+        out_matrix_stride,
+        buffer_weight,
+        direction_weight,
+        NESTEROV: tl.constexpr,
+        GRAD_TYPE: tl.constexpr,
+        BUF_TYPE: tl.constexpr,
+        SCALED: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # _momentum_kernel for matrix program_id(1) of a batch (its tensors by table).
+        matrix = tl.program_id(1)
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        direction = _momentum_step(
+            _table_pointer(grad_table, matrix, GRAD_TYPE),
+            _table_pointer(buf_table, matrix, BUF_TYPE),
+            scale_ptr,
+            offsets,
+            mask,
+            buffer_weight,
+            direction_weight,
+            NESTEROV,
+            SCALED,
+        )
+        out_ptr += matrix.to(tl.int64) * out_matrix_stride
+        tl.store(out_ptr + offsets, direction.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _momentum_table_kernel_2d(
+        grad_table,
+        buf_table,
+        out_ptr,
+        scale_ptr,
+        rows,
+        cols,
+        out_matrix_stride,
+        out_row_stride,
+        out_col_stride,
+        buffer_weight,
+        direction_weight,
+        NESTEROV: tl.constexpr,
+        GRAD_TYPE: tl.constexpr,
+        BUF_TYPE: tl.constexpr,
+        SCALED: tl.constexpr,
+        TILE: tl.constexpr,
+    ):
+        # _momentum_kernel_2d for matrix program_id(2) of a batch (its tensors by table).
+        matrix = tl.program_id(2)
+        r, c, mask = _tile(rows, cols, TILE)
+        direction = _momentum_step(
+            _table_pointer(grad_table, matrix, GRAD_TYPE),
+            _table_pointer(buf_table, matrix, BUF_TYPE),
+            scale_ptr,
+            r[:, None] * cols + c[None, :],
+            mask,
+            buffer_weight,
+            direction_weight,
+            NESTEROV,
+            SCALED,
+        )
+        out_ptr += matrix.to(tl.int64) * out_matrix_stride
+        out_offsets = r[:, None] * out_row_stride + c[None, :] * out_col_stride
+        tl.store(out_ptr + out_offsets, direction.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _update_table_kernel(
+        param_table,
+        update_ptr,
+        rows,
+        cols,
+        update_matrix_stride,
+        update_row_stride,
+        update_col_stride,
+        decay_ptr,
+        step_ptr,
+        PARAM_TYPE: tl.constexpr,
+        TILE: tl.constexpr,
+    ):
+        # _update_kernel (scalars on the device) for matrix program_id(2) of a batch.
+        matrix = tl.program_id(2)
+        param_ptr = _table_pointer(param_table, matrix, PARAM_TYPE)
+        update_ptr += matrix.to(tl.int64) * update_matrix_stride
+        r, c, mask = _tile(rows, cols, TILE)
+        param_offsets = r[:, None] * cols + c[None, :]
+        update_offsets = r[:, None] * update_row_stride + c[None, :] * update_col_stride
+        decay = tl.load(decay_ptr).to(tl.float32)
+        step = tl.load(step_ptr).to(tl.float32)
+        param = tl.load(param_ptr + param_offsets, mask=mask).to(tl.float32)
+        update = tl.load(update_ptr + update_offsets, mask=mask).to(tl.float32)
+        param = param * decay - step * update
+        tl.store(param_ptr + param_offsets, param.to(PARAM_TYPE), mask=mask)

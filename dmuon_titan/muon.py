@@ -293,6 +293,8 @@ class Muon(torch.optim.Optimizer):
             mine = [p for p in todo if dedicated_of(p).shared_ns]
             todo = [p for p in todo if not dedicated_of(p).shared_ns]
         captured = self._graph_eligible(group, todo)
+        if captured:  # (in chunk order: each chunk's rows of the step's tables consecutive)
+            todo = [p for chunk in self._chunks(todo, captured) for p in chunk]
         # A clip's factor the gradients still owe (DMuonState.defer_grad_scale): the captured
         # step multiplies each gradient by it as its momentum pass reads it (and the factor
         # stays owed); every other path first multiplies the gradients, as the clip would have.
@@ -351,24 +353,60 @@ class Muon(torch.optim.Optimizer):
         scalars: StepScalars | None = None,
     ) -> None:
         """Momentum, NS and the update of the 2-D matrices ``todo``, chunk by chunk. With
-        ``scalars`` (a captured step) every matrix takes the fused passes one by one (in a
-        graph a launch costs the host nothing, and a fused pass moves a third of the foreach
-        passes' bytes) and the lr-dependent factors come from those device scalars."""
+        ``scalars`` (a captured step) the matrices take the fused passes (a fused pass moves a
+        third of the foreach passes' bytes), one launch per run of one shape in a chunk where
+        the step's tables allow (``_table_passes``), else one per matrix (in a graph a launch
+        costs the host nothing, but the GPU a ramp-up each), and the lr-dependent factors
+        come from those device scalars."""
         captured = scalars is not None
-        for chunk in ns_chunks(todo, self.ns_batch_numel, self.ns_unbatched_numel):
+        for chunk in self._chunks(todo, captured):
             grouped = not captured and self._grouped(chunk, group)
             out = self._orthogonalize(chunk, group, coefficients, grouped, scalars)
-            orthos = [out] if len(chunk) == 1 else out.unbind(0)
             if grouped:
                 self._grouped_update(chunk, out, group)
-            elif captured:
-                step = scalars.step(chunk[0].shape)
-                for p, ortho in zip(chunk, orthos, strict=True):
-                    fused.decay_and_update_(p.data, ortho, scalars.decay, step)
+            elif captured and self._table_passes(chunk, out, scalars):
+                for run, batch in _runs(chunk, out):
+                    fused.decay_and_update_by_table(
+                        scalars.params[scalars.table_rows(run)],
+                        run[0].dtype,
+                        batch,
+                        scalars.decay,
+                        scalars.step(run[0].shape),
+                    )
             else:
+                orthos = [out] if len(chunk) == 1 else out.unbind(0)
                 for p, ortho in zip(chunk, orthos, strict=True):
-                    self._update_matrix(p, ortho, group)
-            del orthos, out  # NS's output for the chunk: free it before the next chunk
+                    ortho = ortho if p.shape[-2] <= p.shape[-1] else ortho.mT  # (NS's: wide)
+                    if captured:
+                        step = scalars.step(p.shape)
+                        fused.decay_and_update_(p.data, ortho, scalars.decay, step)
+                    else:
+                        self._update_matrix(p, ortho, group)
+                del orthos
+            del out  # NS's output for the chunk: free it before the next chunk
+
+    def _chunks(self, todo: list[torch.Tensor], captured: bool) -> list[list[torch.Tensor]]:
+        """``todo``'s NS batches (:func:`ns_chunks`); the captured step's batch a matrix with
+        its transposes (a tall matrix's NS runs on its transpose anyway), in runs of one
+        shape: one batch instead of two, which the products fill better."""
+        return ns_chunks(
+            todo, self.ns_batch_numel, self.ns_unbatched_numel, merge_transposes=captured
+        )
+
+    @staticmethod
+    def _table_passes(chunk: list[torch.Tensor], out: torch.Tensor, scalars: StepScalars) -> bool:
+        """Whether the captured step's momentum and update passes of ``chunk`` run as one
+        launch per run of one shape (``fused.*_by_table``), reading the matrices, buffers
+        and gradients through the step's tables: consecutive aligned rows there, and one
+        dtype per kind."""
+        return (
+            scalars.table_rows(chunk) is not None
+            and len({p.grad.dtype for p in chunk}) == 1
+            and len({p.dtype for p in chunk}) == 1
+            and fused.table_passes_run(
+                out if out.ndim == 3 else out[None], chunk[0].dtype, chunk[0].grad.dtype
+            )
+        )
 
     def _step_shared(
         self, group: dict[str, Any], params: list[torch.Tensor], coefficients, shared
@@ -443,23 +481,40 @@ class Muon(torch.optim.Optimizer):
         # written transposed (a wide buffer seen tall), so that NS's first product needs no
         # transposing copy (docs/benchmarks.md, ninth session). The foreach passes keep the
         # tall layout (their copy into a strided view would be that copy again).
+        # A chunk may hold a matrix and its transposes (``_chunks``); NS's batch is then wide,
+        # the tall ones' directions written into it transposed, and NS returns it wide.
         rows, cols = shape[-2], shape[-1]
-        wide = not grouped and rows > cols
+        layout = (rows, cols) if grouped else (min(rows, cols), max(rows, cols))
         batch = torch.empty(
-            (*(() if single else (len(chunk),)), *((cols, rows) if wide else (rows, cols))),
+            (*(() if single else (len(chunk),)), *layout),
             dtype=group["ns_dtype"],
             device=chunk[0].device,
         )
-        batch = batch.mT if wide else batch
         if grouped:
             self._grouped_directions(chunk, group, batch.unsqueeze(0) if single else batch)
+        elif scalars is not None and self._table_passes(chunk, batch, scalars):
+            for run, directions in _runs(chunk, batch):
+                rows_of_run = scalars.table_rows(run)
+                float32 = run[0].grad.dtype == torch.float32
+                fused.momentum_directions_by_table(
+                    scalars.gradients[rows_of_run],
+                    scalars.buffers[rows_of_run],
+                    directions,
+                    run[0].grad.dtype,
+                    self._momentum_buffer(run[0]).dtype,
+                    group["momentum"],
+                    group["nesterov"],
+                    scalars.grad_scale if float32 else None,
+                )
         else:
             for i, p in enumerate(chunk):
                 slot = scale = None
                 if scalars is not None:
                     slot = scalars.gradient_slot(p)
                     scale = scalars.grad_scale if p.grad.dtype == torch.float32 else None
-                self._write_direction(p, group, batch if single else batch[i], slot, scale)
+                out = batch if single else batch[i]
+                out = out if p.shape[-2] <= p.shape[-1] else out.mT
+                self._write_direction(p, group, out, slot, scale)
         timed = scalars is None  # (no events inside a captured graph)
         if timed:
             self.timer.start("ns")
@@ -657,15 +712,29 @@ def _param_groups(options: MuonOptions, muon_params: list, other_params: list) -
 
 
 def ns_chunks(
-    params: Sequence[torch.Tensor], max_numel: int, unbatched_numel: int | None = None
+    params: Sequence[torch.Tensor],
+    max_numel: int,
+    unbatched_numel: int | None = None,
+    merge_transposes: bool = False,
 ) -> list[list[torch.Tensor]]:
     """Split ``params`` into batches of same (full) shape and dtype, each of at most
     ``max_numel`` elements (at least one matrix); ``max_numel == 0``: one matrix per batch,
     and so for matrices of ``unbatched_numel`` elements or more. Order: shapes by first
-    appearance, params in their order within a shape."""
+    appearance, params in their order within a shape. ``merge_transposes``: 2-D matrices of
+    transposed shapes batch together, each shape's matrices consecutive (the one that
+    appears first, first); the order is then a fixed point (chunking the chunks' concatenation
+    gives them back)."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
-        by_kind.setdefault((tuple(p.shape), p.dtype), []).append(p)
+        shape = tuple(p.shape)
+        kind = tuple(sorted(shape)) if merge_transposes and len(shape) == 2 else shape
+        by_kind.setdefault((kind, p.dtype), []).append(p)
+    if merge_transposes:  # (a stable sort by each shape's first appearance)
+        for kind, same in by_kind.items():
+            first = {}
+            for p in same:
+                first.setdefault(tuple(p.shape), len(first))
+            by_kind[kind] = sorted(same, key=lambda p: first[tuple(p.shape)])
     chunks = []
     for (shape, _), same in by_kind.items():
         per_chunk = ns_batch_size(
@@ -682,3 +751,21 @@ def ns_batch_size(matrix_numel: int, max_numel: int, unbatched_numel: int | None
     if unbatched_numel is not None and matrix_numel >= unbatched_numel:
         return 1
     return max(1, max_numel // matrix_numel) if max_numel else 1
+
+
+def _runs(chunk: list[torch.Tensor], batch: torch.Tensor):
+    """(the matrices, their part of ``batch`` seen in their shape) for each run of one shape
+    in ``chunk``: ``batch`` is NS's (a 3-D batch, or one 2-D matrix), wide, so a tall run's
+    part is a transposed view."""
+    batch = batch if batch.ndim == 3 else batch[None]
+    start = 0
+    while start < len(chunk):
+        stop = start + 1
+        while stop < len(chunk) and chunk[stop].shape == chunk[start].shape:
+            stop += 1
+        part = batch[start:stop]
+        yield (
+            chunk[start:stop],
+            part if tuple(part.shape[1:]) == tuple(chunk[start].shape) else part.mT,
+        )
+        start = stop

@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from . import update
+from . import fused, update
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,15 @@ class StepScalars:
         #: address of its gradient, which the momentum kernel loads when it runs
         self.gradients = torch.zeros(0, dtype=torch.int64, device=device)
         self._slots: dict[int, torch.Tensor] = {}  # id(matrix) → its 0-d slot
+        self._rows: dict[int, int] = {}  # id(matrix) → its row of the tables
         self._addresses: list[int] = []  # what the table holds
+        #: the matrices' and their momentum buffers' addresses, in the rows of
+        #: :attr:`gradients` (fixed while a graph holds: they are part of its key)
+        self.params = torch.zeros(0, dtype=torch.int64, device=device)
+        self.buffers = torch.zeros(0, dtype=torch.int64, device=device)
+        #: whether every address in those two tables is 16-byte aligned (the batched passes'
+        #: promise to the compiler, :data:`fused.TABLE_ALIGNMENT`; gradients: :meth:`run`)
+        self.tables_aligned = False
 
     def step(self, shape) -> torch.Tensor:
         key = tuple(shape)
@@ -111,18 +119,45 @@ class StepScalars:
         """The 0-d int64 slot holding ``param``'s gradient address."""
         return self._slots[id(param)]
 
-    def point_at(self, params: list[torch.Tensor], fresh_table: bool = False) -> None:
-        """Make the table hold ``params``' gradient addresses (slot i: ``params[i]``), by one
-        copy issued on the current stream, and only if one changed; ``fresh_table``: a table
-        of its own, for a new capture (a held graph reads its own table). The caller orders
-        it: after the last replay that read the table (``Muon``'s step pre-hook waits for
-        it), before the next (a side-stream replay waits for the current stream)."""
-        addresses = [p.grad.data_ptr() for p in params]
+    def table_rows(self, params: list[torch.Tensor]) -> slice | None:
+        """The rows of the tables (:attr:`gradients`, :attr:`params`, :attr:`buffers`) that
+        hold ``params``, when they are consecutive ones and every address in the tables is
+        aligned (so a batched pass may read them); else None."""
+        start = self._rows[id(params[0])]
+        consecutive = all(self._rows[id(p)] == start + i for i, p in enumerate(params))
+        return slice(start, start + len(params)) if consecutive and self.tables_aligned else None
+
+    def point_at(
+        self,
+        params: list[torch.Tensor],
+        fresh_table: bool = False,
+        buffers: list[torch.Tensor] | None = None,
+        addresses: list[int] | None = None,
+    ) -> None:
+        """Make the table hold ``params``' gradient addresses (slot i: ``params[i]``; or
+        ``addresses``, those same, already read), by one copy issued on the current stream,
+        and only if one changed; ``fresh_table``: a table of its own, for a new capture (a
+        held graph reads its own table), with ``buffers`` (the momentum buffers, in
+        ``params``' order) the tables of the matrices' and buffers' addresses too. The
+        caller orders it: after the last replay that read the table (``Muon``'s step
+        pre-hook waits for it), before the next (a side-stream replay waits for the current
+        stream)."""
+        if addresses is None:
+            addresses = [p.grad.data_ptr() for p in params]
         if fresh_table or self.gradients.numel() != len(params):
             self.gradients = torch.zeros(len(params), dtype=torch.int64, device=self.device)
             slots = self.gradients.unbind(0)
             self._slots = {id(p): slot for p, slot in zip(params, slots, strict=True)}
+            self._rows = {id(p): i for i, p in enumerate(params)}
             self._addresses = []
+            fixed = [[p.data_ptr() for p in params], [b.data_ptr() for b in buffers or ()]]
+            self.tables_aligned = buffers is not None and all(
+                a % fused.TABLE_ALIGNMENT == 0 for a in fixed[0] + fixed[1]
+            )
+            # (outside any capture: run() points the tables before it records)
+            self.params, self.buffers = (
+                torch.tensor(a, dtype=torch.int64, device=self.device) for a in fixed
+            )
         if addresses == self._addresses:
             return
         # Pinned, so that the copy is asynchronous (from pageable memory it would first
@@ -198,8 +233,13 @@ class MuonStepGraph:
                 )
                 return False
             self._drain()  # (the graph replaced may still run, reading the old table)
+        addresses = [p.grad.data_ptr() for p in params]
+        if any(a % fused.TABLE_ALIGNMENT for a in addresses):
+            # (a replay's batched passes promise the compiler aligned gradients; torch's
+            # allocator hands out aligned blocks, a view into one may not be)
+            return False
         self.scalars.refresh(group, grad_scale)
-        self.scalars.point_at(params, fresh_table=recording)
+        self.scalars.point_at(params, fresh_table=recording, buffers=buffers, addresses=addresses)
         if not self.warmed:
             body(self.scalars)
             self.warmed = True
@@ -255,6 +295,7 @@ class MuonStepGraph:
         again before the side stream's work queued at that time is done."""
         stream = self._side_stream()
         tensors = [p.data for p in params] + list(buffers) + [self.scalars.gradients]
+        tensors += [self.scalars.params, self.scalars.buffers]
         tensors += [self.scalars.decay, self.scalars.grad_scale, *self.scalars.steps.values()]
         for tensor in tensors:
             tensor.record_stream(stream)

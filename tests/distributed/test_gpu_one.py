@@ -91,24 +91,33 @@ def test_float64_masters_step_eagerly_and_equal_the_reference():
 
 
 def captured_with_counted_updates(rank: int, world_size: int, configs: list[RunConfig]) -> list:
-    """:func:`graph_and_eager`, counting the fused update kernel's launches by whether they
-    read their scalars from device memory (the captured step's) or take Python floats, with
-    the eager step's small matrices on the same per-matrix fused passes as the graph's (not
-    grouped into foreach passes): both then run the same kernels on the same values."""
+    """:func:`graph_and_eager`, counting the matrices the fused update kernels update by
+    whether they read their scalars from device memory (the captured step's, one matrix per
+    launch or a batch by table) or take Python floats, with the eager step's small matrices
+    on the same per-matrix fused passes as the graph's (not grouped into foreach passes):
+    both then run the same arithmetic on the same values."""
     from dmuon_titan import fused, muon
 
-    kernel, launches = fused._update_kernel, {True: 0, False: 0}
+    launches = {True: 0, False: 0, "by_table": 0}
 
     class Counted:
+        def __init__(self, kernel, by_table: bool) -> None:
+            self.kernel, self.by_table = kernel, by_table
+
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches[kwargs["SCALARS_ON_DEVICE"]] += 1
-                return kernel[grid](*args, **kwargs)
+                if self.by_table:  # (grid: tiles, tiles, matrices)
+                    launches[True] += grid[2]
+                    launches["by_table"] += 1
+                else:
+                    launches[kwargs["SCALARS_ON_DEVICE"]] += 1
+                return self.kernel[grid](*args, **kwargs)
 
             return launch
 
     with (
-        mock.patch.object(fused, "_update_kernel", Counted()),
+        mock.patch.object(fused, "_update_kernel", Counted(fused._update_kernel, False)),
+        mock.patch.object(fused, "_update_table_kernel", Counted(fused._update_table_kernel, True)),
         mock.patch.object(muon, "GROUPED_PASS_NUMEL", 0),
     ):
         runs = graph_and_eager(rank, world_size, configs)
@@ -118,11 +127,12 @@ def captured_with_counted_updates(rank: int, world_size: int, configs: list[RunC
 def test_captured_step_takes_the_fused_passes_in_float32():
     """float32 masters and NS (the kernels' dtypes): captured once after the first step,
     replayed for the other four, while the gradients move between steps (read through the
-    address table); every matrix is updated by the fused kernel reading lr and decay from
-    device scalars (the first, eager step and the capture: two launches per matrix). Its
-    weights equal those of the eager step on the same kernels within 1e-6 of the weight
-    change (a stale gradient or scalar would be off by far more), and the single-process
-    float32 reference's within 1e-4."""
+    address table); every matrix is updated by a fused kernel reading lr and decay from
+    device scalars (the first, eager step and the capture: twice per matrix), by batches of
+    one shape (the step's tables; the toy's 4 runs of one shape, the tall and wide FFN
+    matrices in one chunk). Its weights equal those of the eager step on the same
+    arithmetic within 1e-6 of the weight change (a stale gradient or scalar would be off by
+    far more), and the single-process float32 reference's within 1e-4."""
     cfg = RunConfig(param_dtype=torch.float32, ns_dtype=torch.float32, device="cuda")
     (graph, eager), launches = run_ranks(
         captured_with_counted_updates, 1, [cfg, with_(cfg, cuda_graph=False)], backend="nccl"
@@ -131,6 +141,7 @@ def test_captured_step_takes_the_fused_passes_in_float32():
     assert not graph["disabled"] and eager["replays"] == 0
     assert graph["moved"] >= 2, graph["moved"]  # (every matrix's gradient moved at least once)
     assert graph["held"] > 0 and launches[True] == 2 * graph["held"], (graph["held"], launches)
+    assert launches["by_table"] == 2 * 4, launches
     init = initial_state(cfg)
     assert max(relative_errors(graph["weights"], eager["weights"], init).values()) <= 1e-6
     reference = train_reference(cfg, ns_precision="float32")

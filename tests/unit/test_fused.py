@@ -328,6 +328,40 @@ for transposed in (False, True):
         SCALARS_ON_DEVICE=False, TILE=fused._TILE,
     )
     assert torch.equal(by_device_scalars, param_again)
+# A batch by tables of addresses (the captured step's passes): each matrix's buffer,
+# direction and update bit for bit those of its own launch, wide or written transposed.
+grads = [torch.randn(70, 130) for _ in range(3)]
+bufs = [torch.randn(70, 130) for _ in range(3)]
+grad_table = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
+for transposed in (False, True):
+    for scale in (None, torch.tensor(0.3137)):
+        own, batched = [b.clone() for b in bufs], [b.clone() for b in bufs]
+        wide = [torch.empty(3, 130, 70, dtype=torch.bfloat16) for _ in range(2)]
+        outs = [w.mT for w in wide] if transposed else [w.view(3, 70, 130) for w in wide]
+        for i in range(3):
+            fused._momentum_kernel_2d[(triton.cdiv(70, fused._TILE), triton.cdiv(130, fused._TILE))](
+                grads[i], own[i], outs[0][i], own[i] if scale is None else scale, 70, 130,
+                outs[0].stride(1), outs[0].stride(2), 1 - 0.95, 0.95, NESTEROV=True,
+                BY_ADDRESS=False, GRAD_TYPE=None, SCALED=scale is not None, TILE=fused._TILE,
+            )
+        buf_table = torch.tensor([b.data_ptr() for b in batched], dtype=torch.int64)
+        fused.momentum_directions_by_table(
+            grad_table, buf_table, outs[1], torch.float32, torch.float32, 0.95, True, scale
+        )
+        assert all(torch.equal(x, y) for x, y in zip(own, batched)), (transposed, scale)
+        assert torch.equal(outs[0], outs[1]) and not torch.equal(own[0], bufs[0])
+        params = [torch.randn(70, 130) for _ in range(3)]
+        expected = [p.clone() for p in params]
+        decay, step = torch.tensor(0.99), torch.tensor(0.1)
+        for i in range(3):
+            fused._update_kernel[(triton.cdiv(70, fused._TILE), triton.cdiv(130, fused._TILE))](
+                expected[i], outs[0][i], 70, 130, outs[0].stride(1), outs[0].stride(2), decay,
+                step, SCALARS_ON_DEVICE=True, TILE=fused._TILE,
+            )
+        table = torch.tensor([p.data_ptr() for p in params], dtype=torch.int64)
+        fused.decay_and_update_by_table(table, torch.float32, outs[1], decay, step)
+        assert all(torch.equal(x, y) for x, y in zip(expected, params))
+
 x = torch.randn(3, 40, 70)
 norms = torch.linalg.matrix_norm(x, keepdim=True)
 expected = x / norms

@@ -107,6 +107,41 @@ def test_ns_chunks_group_by_shape_and_bound_the_batch():
     assert sorted(map(len, ns_chunks(params, 10**6))) == [1, 2, 5]
 
 
+def test_ns_chunks_may_batch_a_shape_with_its_transpose():
+    """The captured step's chunks: 4x8 and 8x4 matrices in one batch, each shape's matrices
+    consecutive (the shape seen first, first), bounded as before; chunking the chunks'
+    concatenation gives the same chunks (the step's table rows follow that order)."""
+    from dmuon_titan.muon import ns_chunks
+
+    a = [torch.empty(4, 8) for _ in range(3)]
+    b = [torch.empty(8, 4) for _ in range(2)]
+    c = torch.empty(4, 8, dtype=torch.float64)
+    s = torch.empty(4, 4)
+    params = [b[0], a[0], s, a[1], c, b[1], a[2]]
+    chunks = ns_chunks(params, 10**6, merge_transposes=True)
+    assert [[id(t) for t in ch] for ch in chunks] == [
+        [id(b[0]), id(b[1]), id(a[0]), id(a[1]), id(a[2])],
+        [id(s)],
+        [id(c)],
+    ]
+    bounded = ns_chunks(params, max_numel=64, merge_transposes=True)  # two per batch
+    assert [[id(t) for t in ch] for ch in bounded] == [
+        [id(b[0]), id(b[1])],
+        [id(a[0]), id(a[1])],
+        [id(a[2])],
+        [id(s)],
+        [id(c)],
+    ]
+    for chunked in (chunks, bounded):
+        again = ns_chunks(
+            [p for ch in chunked for p in ch],
+            64 if chunked is bounded else 10**6,
+            merge_transposes=True,
+        )
+        assert [[id(t) for t in ch] for ch in again] == [[id(t) for t in ch] for ch in chunked]
+    assert len(ns_chunks(params, 10**6)) == 4  # (without: 4x8, 8x4, 4x4, float64)
+
+
 # ------------------------------------------------------------------ Gram Newton–Schulz
 GRAM_SHAPES = [(24, 80), (80, 24), (40, 40), (3, 24, 60), (2, 60, 24)]
 

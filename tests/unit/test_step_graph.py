@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dmuon_titan as dmuon
-from dmuon_titan import step_graph
+from dmuon_titan import fused, step_graph
 from dmuon_titan.muon import Muon
 from tests.helpers.models import ToyTransformer, dedicated_predicate, loss_fn
 
@@ -49,13 +49,19 @@ def _stand_in_graph(graph: bool):
         yield
 
 
-def _train(cpu_mesh, graph: bool, steps: int = 4, keep_grads: bool = True, freeze_at=None):
+def _train(
+    cpu_mesh,
+    graph: bool,
+    steps: int = 4,
+    keep_grads: bool = True,
+    freeze_at=None,
+    dtype=torch.float64,
+    adjust_lr_fn="match_rms_adamw",
+):
     torch.manual_seed(0)
-    model = ToyTransformer().double()
+    model = ToyTransformer().to(dtype)
     dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
-    optimizer = dmuon.Muon(
-        model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64, adjust_lr_fn="match_rms_adamw"
-    )
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=dtype, adjust_lr_fn=adjust_lr_fn)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     with _stand_in_graph(graph):
         for step in range(steps):
@@ -77,6 +83,71 @@ def test_captured_step_equals_the_eager_step_and_follows_the_lr_schedule(cpu_mes
     assert record.warmed and record.captures == 1 and record.replays == 3
     worst = max((eager[k] - graphed[k]).abs().max().item() for k in eager)
     assert worst <= 1e-14, worst  # (multiply-then-add vs the fused update: last-bit rounding)
+
+
+_TABLE_PASSES_INTERPRETED = """
+import os, tempfile
+from unittest import mock
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from dmuon_titan import fused
+from tests.unit.test_step_graph import _train
+
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+batched = []
+original = fused.momentum_directions_by_table
+
+def counted(grads, buffers, out, *args, **kwargs):
+    batched.append(tuple(out.shape))
+    return original(grads, buffers, out, *args, **kwargs)
+
+on_cpu = lambda out, *dtypes: out.ndim == 3 and out.dtype == torch.float32
+for adjust in ("original", "match_rms_adamw"):
+    runs = {}
+    for tables in (False, True):
+        with (
+            mock.patch.object(fused, "table_passes_run", on_cpu if tables else lambda *a: False),
+            mock.patch.object(fused, "momentum_directions_by_table", counted),
+        ):
+            runs[tables] = _train(mesh, graph=True, dtype=torch.float32, adjust_lr_fn=adjust)
+    (per_matrix, record), (by_table, _) = runs[False], runs[True]
+    assert record.replays == 3
+    worst = max((per_matrix[k] - by_table[k]).abs().max().item() for k in per_matrix)
+    assert worst <= 1e-6, (adjust, worst)
+    eager, _ = _train(mesh, graph=False, dtype=torch.float32, adjust_lr_fn=adjust)
+    assert max((eager[k] - by_table[k]).abs().max().item() for k in eager) <= 1e-6
+# per step: the toy's 3x (wq, wo) 32x32, 3x (wk, wv) 16x32, then 3x (w1, w3) 48x32 and
+# 3x w2 32x48 in one chunk, two runs; 4 steps (the first eager, 3 replays), 2 schedules
+assert batched == [(6, 32, 32), (6, 16, 32), (6, 48, 32), (3, 32, 48)] * 8, batched
+print("tables ok")
+"""
+
+
+@pytest.mark.skipif(fused.triton is None, reason="needs Triton")
+def test_captured_step_by_table_passes_in_the_triton_interpreter():
+    """The captured step's batched passes (one launch per run of one shape, the matrices,
+    buffers and gradients read through the step's tables), run by Triton's interpreter on
+    CPU through the stand-in graph: the toy's tall and wide FFN matrices in one chunk (two
+    runs, the tall one written transposed), lr adjusted per shape both ways; the weights
+    those of the per-matrix passes and of the eager step within 1e-6 (float32; the kernel
+    rounds the update once)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-c", _TABLE_PASSES_INTERPRETED],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tables ok" in result.stdout
 
 
 def test_moved_gradients_recapture_then_give_up(cpu_mesh):
