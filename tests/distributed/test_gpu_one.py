@@ -94,8 +94,9 @@ def captured_with_counted_updates(rank: int, world_size: int, configs: list[RunC
     """:func:`graph_and_eager`, counting the matrices the fused update kernels update by
     whether they read their scalars from device memory (the captured step's, one matrix per
     launch or a batch by table) or take Python floats, with the eager step's small matrices
-    on the same per-matrix fused passes as the graph's (not grouped into foreach passes):
-    both then run the same arithmetic on the same values."""
+    on the same per-matrix fused passes as the graph's (not grouped into foreach passes) and
+    its NS on the graph's batches (a matrix with its transposes): both then run the same
+    arithmetic on the same values."""
     from dmuon_titan import fused, muon
 
     launches = {True: 0, False: 0, "by_table": 0}
@@ -115,7 +116,12 @@ def captured_with_counted_updates(rank: int, world_size: int, configs: list[RunC
 
             return launch
 
+    def merged_chunks(self, todo, captured):  # (the captured step's NS batches, eagerly too)
+        return chunks(self, todo, True)
+
+    chunks = muon.Muon._chunks
     with (
+        mock.patch.object(muon.Muon, "_chunks", merged_chunks),
         mock.patch.object(fused, "_update_kernel", Counted(fused._update_kernel, False)),
         mock.patch.object(fused, "_update_table_kernel", Counted(fused._update_table_kernel, True)),
         mock.patch.object(muon, "GROUPED_PASS_NUMEL", 0),
