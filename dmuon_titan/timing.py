@@ -106,3 +106,31 @@ def graph_median_milliseconds(
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
+
+
+def gpu_busy_milliseconds(fn: Callable[[], object], device: torch.device | str) -> float:
+    """Milliseconds in which the GPU ran anything (kernels, copies, fills; their union over
+    every stream) during one call of ``fn``, by torch's profiler: the call's GPU work without
+    the host's gaps, which is what it takes when the GPU, not the host, is what limits the
+    loop. Off CUDA: the call's wall clock."""
+    if torch.device(device).type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize(device)
+    activity = torch.profiler.ProfilerActivity
+    with torch.profiler.profile(activities=[activity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize(device)
+    on_device = torch.autograd.DeviceType.CUDA
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in profile.events()
+        if e.device_type == on_device
+    )
+    busy, reached = 0.0, float("-inf")
+    for begin, end in spans:
+        if end > reached:
+            busy += end - max(begin, reached)
+            reached = end
+    return busy / 1e3

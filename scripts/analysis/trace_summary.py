@@ -24,8 +24,8 @@ import json
 from collections import defaultdict
 
 KINDS = (  # (kind, substrings of the kernel name), first match wins
-    ("momentum", ("_momentum_kernel",)),
-    ("update", ("_update_kernel",)),
+    ("momentum", ("_momentum_kernel", "_momentum_table_kernel")),
+    ("update", ("_update_kernel", "_update_table_kernel")),
     ("divide", ("_divide_kernel",)),
     ("symmetric", ("_symmetric_mm_kernel",)),
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "sm80_xmma")),
@@ -116,8 +116,10 @@ def summarize(path: str, whole: bool = False, events: list[dict] | None = None) 
             busy_by_stream[k.get("args", {}).get("stream")] += k["dur"]
         stream = max(busy_by_stream, key=busy_by_stream.get)
     else:
-        moments = [k for k in kernels if "_momentum_kernel" in k["name"]]
-        updates = [k for k in kernels if "_update_kernel" in k["name"]]
+        # (per matrix: _momentum_kernel[_2d], _update_kernel; by table: _momentum_table_kernel[_2d],
+        # _update_table_kernel)
+        moments = [k for k in kernels if k["name"].startswith("_momentum_")]
+        updates = [k for k in kernels if k["name"].startswith("_update_")]
         if not moments or not updates:
             raise SystemExit(
                 f"{path}: no DMuon momentum/update kernels (DMUON_FUSED=0, or no step)"

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_titan as dmuon
+from dmuon_titan.timing import gpu_busy_milliseconds
 from dmuon_titan.toy.flavors import add_flavors
 
 VARIANTS = (
@@ -103,6 +104,13 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=10, help="steps per turn")
     parser.add_argument("--warmup-rounds", type=int, default=2)
     parser.add_argument("--h2d", action="store_true", help="copy each batch from the host")
+    parser.add_argument(
+        "--gpu-busy",
+        type=int,
+        default=0,
+        help="then this many rounds of one profiled training block per variant: the GPU's busy "
+        "time per step (the step's GPU work, what a GPU-bound loop takes), median",
+    )
     args = parser.parse_args()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -164,6 +172,12 @@ def main() -> None:
                 sync()
                 if round_ >= args.warmup_rounds:
                     times[v][kind].append((time.perf_counter() - start) / args.block)
+    busy: dict[str, list[float]] = {v: [] for v in variants}
+    for round_ in range(args.gpu_busy):
+        order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
+        for v in order:
+            ms = gpu_busy_milliseconds(lambda v=v: train_block(*runs[v]), device)
+            busy[v].append(ms / 1e3 / args.block)
     tokens = args.batch * args.seq
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
@@ -187,6 +201,18 @@ def main() -> None:
             ratio = f"{base[kind] / t:.3f}" if base else "-"
             row += [f"{t * 1e3:.1f}", f"{tokens / t:,.0f}", ratio]
         print("| " + " | ".join(row) + " |")
+    if args.gpu_busy:
+        print(
+            f"GPU busy time per training step (union of its GPU activity, {args.gpu_busy} "
+            "profiled blocks per variant, medians; ratio: AdamW's / the variant's):"
+        )
+        print("| variant | GPU busy per step (ms) | vs AdamW | blocks (ms per step) |")
+        print("| --- | --- | --- | --- |")
+        for v in variants:
+            t = statistics.median(busy[v])
+            ratio = f"{statistics.median(busy['adamw']) / t:.3f}" if "adamw" in busy else "-"
+            each = ", ".join(f"{b * 1e3:.2f}" for b in busy[v])
+            print(f"| {v} | {t * 1e3:.2f} | {ratio} | {each} |")
     for v in ("dmuon", "dmuon_sync", "dmuon_auto", "dmuon_auto_clipnow"):
         if v in runs:
             record = runs[v][1][0].step_graph
