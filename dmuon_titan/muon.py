@@ -393,16 +393,20 @@ class Muon(torch.optim.Optimizer):
             todo, self.ns_batch_numel, self.ns_unbatched_numel, merge_transposes=captured
         )
 
-    @staticmethod
-    def _table_passes(chunk: list[torch.Tensor], out: torch.Tensor, scalars: StepScalars) -> bool:
+    def _table_passes(
+        self, chunk: list[torch.Tensor], out: torch.Tensor, scalars: StepScalars
+    ) -> bool:
         """Whether the captured step's momentum and update passes of ``chunk`` run as one
         launch per run of one shape (``fused.*_by_table``), reading the matrices, buffers
-        and gradients through the step's tables: consecutive aligned rows there, and one
-        dtype per kind."""
+        and gradients through the step's tables: consecutive aligned rows there, contiguous
+        matrices (gradients and buffers are, or the step is not captured), and one dtype
+        per kind."""
         return (
             scalars.table_rows(chunk) is not None
+            and all(p.data.is_contiguous() for p in chunk)
             and len({p.grad.dtype for p in chunk}) == 1
             and len({p.dtype for p in chunk}) == 1
+            and len({self._momentum_buffer(p).dtype for p in chunk}) == 1
             and fused.table_passes_run(
                 out if out.ndim == 3 else out[None], chunk[0].dtype, chunk[0].grad.dtype
             )
