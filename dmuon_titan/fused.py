@@ -225,6 +225,8 @@ def decay_and_update_many_(
 #: table addresses must be multiples of this (bytes): the kernels promise it to the compiler,
 #: which then loads and stores 16 bytes at a time
 TABLE_ALIGNMENT = 16
+#: a CUDA grid's second and third dimensions, where the batched passes put their matrices
+_MAX_GRID_MATRICES = 65535
 
 
 def momentum_directions_by_table(
@@ -248,6 +250,20 @@ def momentum_directions_by_table(
     (:func:`table_passes_run`)."""
     if grad_scale is not None and grad_dtype != torch.float32:
         raise ValueError(f"grad_scale needs a float32 gradient, got {grad_dtype}")
+    if out.size(0) > _MAX_GRID_MATRICES:  # (the matrices are a grid dimension)
+        for i in range(0, out.size(0), _MAX_GRID_MATRICES):
+            part = slice(i, i + _MAX_GRID_MATRICES)
+            momentum_directions_by_table(
+                grads[part],
+                buffers[part],
+                out[part],
+                grad_dtype,
+                buffer_dtype,
+                momentum,
+                nesterov,
+                grad_scale,
+            )
+        return
     count, rows, cols = out.shape
     scaled = grad_scale is not None
     common = dict(
@@ -297,6 +313,11 @@ def decay_and_update_by_table(
     device table, aligned as :func:`momentum_directions_by_table` requires), its update is
     ``updates[i]`` (a 3-D batch, possibly a transposed view); ``decay`` and ``step`` are 0-d
     device tensors read when the pass runs. CUDA and Triton only."""
+    if updates.size(0) > _MAX_GRID_MATRICES:  # (the matrices are a grid dimension)
+        for i in range(0, updates.size(0), _MAX_GRID_MATRICES):
+            part = slice(i, i + _MAX_GRID_MATRICES)
+            decay_and_update_by_table(params[part], param_dtype, updates[part], decay, step)
+        return
     count, rows, cols = updates.shape
     grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE), count)
     _update_table_kernel[grid](

@@ -93,9 +93,11 @@ class StepScalars:
         #: :attr:`gradients` (fixed while a graph holds: they are part of its key)
         self.params = torch.zeros(0, dtype=torch.int64, device=device)
         self.buffers = torch.zeros(0, dtype=torch.int64, device=device)
-        #: whether every address in those two tables is 16-byte aligned (the batched passes'
-        #: promise to the compiler, :data:`fused.TABLE_ALIGNMENT`; gradients: :meth:`run`)
-        self.tables_aligned = False
+        # Per row, whether its matrix and buffer are 16-byte aligned, and the rows a batched
+        # pass reads (it promises the compiler aligned addresses, fused.TABLE_ALIGNMENT):
+        # their gradients must stay aligned for the recorded graph to be replayed.
+        self._aligned: list[bool] = []
+        self._promised: set[int] = set()
 
     def step(self, shape) -> torch.Tensor:
         key = tuple(shape)
@@ -121,11 +123,23 @@ class StepScalars:
 
     def table_rows(self, params: list[torch.Tensor]) -> slice | None:
         """The rows of the tables (:attr:`gradients`, :attr:`params`, :attr:`buffers`) that
-        hold ``params``, when they are consecutive ones and every address in the tables is
-        aligned (so a batched pass may read them); else None."""
+        hold ``params``, when they are consecutive ones and the addresses in them (the
+        current gradients' too) are aligned, so that a batched pass may read them; else
+        None. Rows handed out are promised aligned (:meth:`promises_hold`)."""
         start = self._rows[id(params[0])]
-        consecutive = all(self._rows[id(p)] == start + i for i, p in enumerate(params))
-        return slice(start, start + len(params)) if consecutive and self.tables_aligned else None
+        rows = range(start, start + len(params))
+        if not all(self._rows[id(p)] == row for p, row in zip(params, rows, strict=True)):
+            return None
+        alignment = fused.TABLE_ALIGNMENT
+        if not all(self._aligned[r] and self._addresses[r] % alignment == 0 for r in rows):
+            return None
+        self._promised.update(rows)
+        return slice(rows.start, rows.stop)
+
+    def promises_hold(self, addresses: list[int]) -> bool:
+        """Whether ``addresses`` (the gradients', by row) are aligned in every row a
+        recorded batched pass reads (:meth:`table_rows`)."""
+        return all(addresses[r] % fused.TABLE_ALIGNMENT == 0 for r in self._promised)
 
     def point_at(
         self,
@@ -151,9 +165,14 @@ class StepScalars:
             self._rows = {id(p): i for i, p in enumerate(params)}
             self._addresses = []
             fixed = [[p.data_ptr() for p in params], [b.data_ptr() for b in buffers or ()]]
-            self.tables_aligned = buffers is not None and all(
-                a % fused.TABLE_ALIGNMENT == 0 for a in fixed[0] + fixed[1]
-            )
+            alignment = fused.TABLE_ALIGNMENT
+            self._aligned = [
+                buffers is not None and p % alignment == 0 and b % alignment == 0
+                for p, b in zip(
+                    fixed[0], fixed[1] if buffers is not None else fixed[0], strict=True
+                )
+            ]
+            self._promised = set()
             # (outside any capture: run() points the tables before it records)
             self.params, self.buffers = (
                 torch.tensor(a, dtype=torch.int64, device=self.device) for a in fixed
@@ -214,7 +233,16 @@ class MuonStepGraph:
         if self.disabled:
             return False
         key = self._key(group, params, buffers)
-        recording = not self.warmed or self.graph is None or key != self.key
+        addresses = [p.grad.data_ptr() for p in params]
+        recording = (
+            not self.warmed
+            or self.graph is None
+            or key != self.key
+            # (a gradient the graph reads as aligned is not: recorded anew, the batched pass
+            # that read it reads it no more; torch's allocator hands out aligned blocks, a
+            # view into one may not be)
+            or not self.scalars.promises_hold(addresses)
+        )
         if recording:  # the scalars the recorded kernels read (a shape change records anew)
             if self.scalars is None:
                 self.scalars = StepScalars(params[0].device, params[0].dtype)
@@ -233,11 +261,8 @@ class MuonStepGraph:
                 )
                 return False
             self._drain()  # (the graph replaced may still run, reading the old table)
-        addresses = [p.grad.data_ptr() for p in params]
-        if any(a % fused.TABLE_ALIGNMENT for a in addresses):
-            # (a replay's batched passes promise the compiler aligned gradients; torch's
-            # allocator hands out aligned blocks, a view into one may not be)
-            return False
+        if recording:  # (its tables are replaced now: never replay it, even if capture fails)
+            self.graph, self.key, self.params = None, None, []
         self.scalars.refresh(group, grad_scale)
         self.scalars.point_at(params, fresh_table=recording, buffers=buffers, addresses=addresses)
         if not self.warmed:

@@ -333,8 +333,10 @@ for transposed in (False, True):
 grads = [torch.randn(70, 130) for _ in range(3)]
 bufs = [torch.randn(70, 130) for _ in range(3)]
 grad_table = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
-for transposed in (False, True):
-    for scale in (None, torch.tensor(0.3137)):
+for transposed, scale, grid_limit in [
+    (t, s, limit) for t in (False, True) for s in (None, torch.tensor(0.3137)) for limit in (65535, 2)
+]:
+        fused._MAX_GRID_MATRICES = grid_limit  # (2: launched in slices of 2 matrices)
         own, batched = [b.clone() for b in bufs], [b.clone() for b in bufs]
         wide = [torch.empty(3, 130, 70, dtype=torch.bfloat16) for _ in range(2)]
         outs = [w.mT for w in wide] if transposed else [w.view(3, 70, 130) for w in wide]
@@ -348,7 +350,7 @@ for transposed in (False, True):
         fused.momentum_directions_by_table(
             grad_table, buf_table, outs[1], torch.float32, torch.float32, 0.95, True, scale
         )
-        assert all(torch.equal(x, y) for x, y in zip(own, batched)), (transposed, scale)
+        assert all(torch.equal(x, y) for x, y in zip(own, batched)), (transposed, scale, grid_limit)
         assert torch.equal(outs[0], outs[1]) and not torch.equal(own[0], bufs[0])
         params = [torch.randn(70, 130) for _ in range(3)]
         expected = [p.clone() for p in params]

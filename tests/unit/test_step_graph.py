@@ -25,25 +25,31 @@ from tests.helpers.models import ToyTransformer, dedicated_predicate, loss_fn
 class _ReplayedBody:
     """A stand-in for ``torch.cuda.CUDAGraph``: replay runs the recorded body again (whose
     eager passes read ``p.grad``, where the kernels read the table: so the table is checked
-    to point at those same gradients)."""
+    to point at those same gradients, and the tables of matrices and momentum buffers at
+    those of ``optimizer``)."""
 
-    def __init__(self, body, owner) -> None:
-        self.body, self.owner = body, owner
+    def __init__(self, body, owner, optimizer) -> None:
+        self.body, self.owner, self.optimizer = body, owner, optimizer
 
     def replay(self) -> None:
         scalars = self.owner.scalars
         assert scalars.gradients.tolist() == [p.grad.data_ptr() for p in self.owner.params]
+        assert scalars.params.tolist() == [p.data_ptr() for p in self.owner.params]
+        buffers = [self.optimizer.state[p]["momentum_buffer"] for p in self.owner.params]
+        assert scalars.buffers.tolist() == [b.data_ptr() for b in buffers]
         assert all(scalars.gradient_slot(p).item() == p.grad.data_ptr() for p in self.owner.params)
         self.body(scalars)
 
 
 @contextlib.contextmanager
-def _stand_in_graph(graph: bool):
-    """The step captured by the stand-in graph (``graph``: on CPU, every step eligible), or
-    eager."""
+def _stand_in_graph(graph: bool, optimizer: Muon):
+    """``optimizer``'s step captured by the stand-in graph (``graph``: on CPU, every step
+    eligible), or eager."""
     eligible = mock.patch.object(Muon, "_graph_eligible", lambda self, group, todo: bool(todo))
     capture = mock.patch.object(
-        step_graph.MuonStepGraph, "_capture", lambda self, body: _ReplayedBody(body, self)
+        step_graph.MuonStepGraph,
+        "_capture",
+        lambda self, body: _ReplayedBody(body, self, optimizer),
     )
     with eligible if graph else contextlib.nullcontext(), capture:
         yield
@@ -57,18 +63,23 @@ def _train(
     freeze_at=None,
     dtype=torch.float64,
     adjust_lr_fn="match_rms_adamw",
+    misalign_at=None,
 ):
     torch.manual_seed(0)
     model = ToyTransformer().to(dtype)
     dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=dtype, adjust_lr_fn=adjust_lr_fn)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    with _stand_in_graph(graph):
+    with _stand_in_graph(graph, optimizer):
         for step in range(steps):
             if step == freeze_at:  # one dedicated matrix stops training
                 model.layers[0].attention.wq.weight.requires_grad_(False)
             tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
             loss_fn(model(tokens), tokens).backward()
+            if step == misalign_at:  # one gradient moved off 16-byte alignment, same values
+                w2 = model.layers[1].feed_forward.w2.weight
+                storage = torch.empty(w2.numel() + 1, dtype=dtype)
+                w2.grad = storage[1:].view_as(w2).copy_(w2.grad)
             optimizer.step()
             optimizer.zero_grad(set_to_none=not keep_grads)
             schedule.step()
@@ -104,23 +115,36 @@ def counted(grads, buffers, out, *args, **kwargs):
     return original(grads, buffers, out, *args, **kwargs)
 
 on_cpu = lambda out, *dtypes: out.ndim == 3 and out.dtype == torch.float32
-for adjust in ("original", "match_rms_adamw"):
+cases = [("original", {}), ("match_rms_adamw", {}), ("original", {"freeze_at": 2, "keep_grads": False}),
+         ("original", {"misalign_at": 2})]
+for adjust, kind in cases:
     runs = {}
     for tables in (False, True):
+        batched.clear()
         with (
             mock.patch.object(fused, "table_passes_run", on_cpu if tables else lambda *a: False),
             mock.patch.object(fused, "momentum_directions_by_table", counted),
         ):
-            runs[tables] = _train(mesh, graph=True, dtype=torch.float32, adjust_lr_fn=adjust)
-    (per_matrix, record), (by_table, _) = runs[False], runs[True]
-    assert record.replays == 3
+            runs[tables] = _train(mesh, True, dtype=torch.float32, adjust_lr_fn=adjust, **kind)
+    (per_matrix, _), (by_table, record) = runs[False], runs[True]
     worst = max((per_matrix[k] - by_table[k]).abs().max().item() for k in per_matrix)
-    assert worst <= 1e-6, (adjust, worst)
-    eager, _ = _train(mesh, graph=False, dtype=torch.float32, adjust_lr_fn=adjust)
-    assert max((eager[k] - by_table[k]).abs().max().item() for k in eager) <= 1e-6
-# per step: the toy's 3x (wq, wo) 32x32, 3x (wk, wv) 16x32, then 3x (w1, w3) 48x32 and
-# 3x w2 32x48 in one chunk, two runs; 4 steps (the first eager, 3 replays), 2 schedules
-assert batched == [(6, 32, 32), (6, 16, 32), (6, 48, 32), (3, 32, 48)] * 8, batched
+    assert worst <= 1e-6, (adjust, kind, worst)
+    eager, _ = _train(mesh, graph=False, dtype=torch.float32, adjust_lr_fn=adjust, **kind)
+    assert max((eager[k] - by_table[k]).abs().max().item() for k in eager) <= 1e-6, kind
+    # per step: the toy's 3x (wq, wo) 32x32, 3x (wk, wv) 16x32, then 3x (w1, w3) 48x32 and
+    # 3x w2 32x48 in one chunk, two runs; 4 steps (the first eager, 3 replays)
+    every_step = [(6, 32, 32), (6, 16, 32), (6, 48, 32), (3, 32, 48)]
+    if not kind:
+        assert record.captures == 1 and record.replays == 3, kind
+        assert batched == every_step * 4, batched
+    elif "freeze_at" in kind:  # layer 0's wq stops: recaptured with new tables (and layer
+        # 0's wk now comes first)
+        assert record.captures == 2 and record.replays == 3, kind
+        frozen = [(6, 16, 32), (5, 32, 32), *every_step[2:]]
+        assert batched == every_step * 2 + frozen * 2, batched
+    else:  # a gradient of the FFN chunk misaligned from step 2 on: that chunk per matrix
+        assert record.captures == 2 and record.replays == 3, kind
+        assert batched == every_step * 2 + every_step[:2] * 2, batched
 print("tables ok")
 """
 
@@ -130,9 +154,10 @@ def test_captured_step_by_table_passes_in_the_triton_interpreter():
     """The captured step's batched passes (one launch per run of one shape, the matrices,
     buffers and gradients read through the step's tables), run by Triton's interpreter on
     CPU through the stand-in graph: the toy's tall and wide FFN matrices in one chunk (two
-    runs, the tall one written transposed), lr adjusted per shape both ways; the weights
-    those of the per-matrix passes and of the eager step within 1e-6 (float32; the kernel
-    rounds the update once)."""
+    runs, the tall one written transposed), lr adjusted per shape both ways; a recapture
+    (new tables); a gradient off 16-byte alignment (recaptured, its chunk by per-matrix
+    passes from then on). The weights those of the per-matrix passes and of the eager step
+    within 1e-6 (float32; the kernel rounds the update once)."""
     import os
     import subprocess
     import sys
@@ -268,7 +293,7 @@ def _clipped_run(
         model, lr=0.02, adamw_lr=1e-3, ns_dtype=dtype, adjust_lr_fn="match_rms_adamw"
     )
     norms, untouched = [], []
-    with _stand_in_graph(graph):
+    with _stand_in_graph(graph, optimizer):
         for step in range(steps):
             tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
             loss_fn(model(tokens), tokens).backward()
