@@ -29,10 +29,14 @@ before each replay (LR schedules keep working), as does a gradient clip's factor
 left owed (``clip_grad_norm_(defer_owned=True)``, what the torchtitan plugin does): each
 momentum pass multiplies its float32 gradient by it as it reads it, which saves the clip's own
 pass over the matrices' gradients (the gradients still owe it after the step:
-``DMuonState.defer_grad_scale``). In the graph each matrix's momentum and
-update run as fused passes of their own: the launches cost the host nothing there, and the
-eager step's foreach passes over small matrices, which save launches, move three times the
-bytes. The two may round the last bit differently.
+``DMuonState.defer_grad_scale``). In the graph the momentum and update passes are fused
+kernels, one launch per run of same-shape matrices of a chunk: they read each matrix, its
+momentum buffer and its gradient through device tables of addresses (:attr:`StepScalars.params`,
+``.buffers``, ``.gradients``), which they promise the compiler are 16-byte aligned (vector loads
+and stores); rows that are not take one launch per matrix, and a gradient that moves off
+alignment where a recorded pass promised it records the step anew. The eager step's foreach
+passes over small matrices, which save host launches, move three times the bytes. The two may
+round the last bit differently.
 
 With ``async_step`` a replay runs on a side stream and ``step()`` returns before it is done.
 What that buys is host time: torchtitan copies each batch to the GPU with a blocking copy,
