@@ -169,6 +169,8 @@ class Muon(torch.optim.Optimizer):
         self.timer = PhaseTimer(device)
         #: the captured step of the matrices (one rank on a GPU; see ``cuda_graph``)
         self.step_graph = MuonStepGraph(async_step=options.async_step)
+        #: (the matrices' ids, those matrices in chunk order): ``_in_chunk_order``'s last
+        self._chunk_order: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
         if self._dmuon is not None:  # (its forward, backward and state dicts wait for it)
             self._dmuon.step_graphs.add(self.step_graph)
             self._dmuon.optimizers.add(self)  # (a clip may leave its factor to this step)
@@ -294,7 +296,7 @@ class Muon(torch.optim.Optimizer):
             todo = [p for p in todo if not dedicated_of(p).shared_ns]
         captured = self._graph_eligible(group, todo)
         if captured:  # (in chunk order: each chunk's rows of the step's tables consecutive)
-            todo = [p for chunk in self._chunks(todo, captured) for p in chunk]
+            todo = self._in_chunk_order(todo)
         # A clip's factor the gradients still owe (DMuonState.defer_grad_scale): the captured
         # step multiplies each gradient by it as its momentum pass reads it (and the factor
         # stays owed); every other path first multiplies the gradients, as the clip would have.
@@ -384,6 +386,18 @@ class Muon(torch.optim.Optimizer):
                         self._update_matrix(p, ortho, group)
                 del orthos
             del out  # NS's output for the chunk: free it before the next chunk
+
+    def _in_chunk_order(self, todo: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``todo`` in the order of the captured step's chunks, kept from the last step while
+        the matrices are the same ones (the chunking costs the host some 30 times the lookup:
+        docs/benchmarks.md, fifteenth session). A stale order (a matrix's shape changed in
+        place) costs speed only:
+        the recording step chunks anew, and a chunk whose rows are then not consecutive
+        takes the per-matrix passes (``StepScalars.table_rows``)."""
+        ids = tuple(map(id, todo))
+        if self._chunk_order is None or self._chunk_order[0] != ids:
+            self._chunk_order = (ids, [p for chunk in self._chunks(todo, True) for p in chunk])
+        return self._chunk_order[1]
 
     def _chunks(self, todo: list[torch.Tensor], captured: bool) -> list[list[torch.Tensor]]:
         """``todo``'s NS batches (:func:`ns_chunks`); the captured step's batch a matrix with
