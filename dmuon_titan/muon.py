@@ -391,9 +391,8 @@ class Muon(torch.optim.Optimizer):
         """``todo`` in the order of the captured step's chunks, kept from the last step while
         the matrices are the same ones (the chunking costs the host some 30 times the lookup:
         docs/benchmarks.md, fifteenth session). A stale order (a matrix's shape changed in
-        place) costs speed only:
-        the recording step chunks anew, and a chunk whose rows are then not consecutive
-        takes the per-matrix passes (``StepScalars.table_rows``)."""
+        place) costs speed only: the recording step chunks anew, and a chunk whose rows are
+        then not consecutive takes the per-matrix passes (``StepScalars.table_rows``)."""
         ids = tuple(map(id, todo))
         if self._chunk_order is None or self._chunk_order[0] != ids:
             self._chunk_order = (ids, [p for chunk in self._chunks(todo, True) for p in chunk])
