@@ -90,7 +90,6 @@ class StepScalars:
         #: one int64 slot per stepped matrix (in the order :meth:`point_at` got them): the
         #: address of its gradient, which the momentum kernel loads when it runs
         self.gradients = torch.zeros(0, dtype=torch.int64, device=device)
-        self._slots: dict[int, torch.Tensor] = {}  # id(matrix) → its 0-d slot
         self._rows: dict[int, int] = {}  # id(matrix) → its row of the tables
         self._addresses: list[int] = []  # what the table holds
         #: the matrices' and their momentum buffers' addresses, in the rows of
@@ -122,8 +121,9 @@ class StepScalars:
         self._grad_scale_is_one = grad_scale is None
 
     def gradient_slot(self, param: torch.Tensor) -> torch.Tensor:
-        """The 0-d int64 slot holding ``param``'s gradient address."""
-        return self._slots[id(param)]
+        """The 0-d int64 slot holding ``param``'s gradient address (its row of
+        :attr:`gradients`)."""
+        return self.gradients[self._rows[id(param)]]
 
     def table_rows(self, params: list[torch.Tensor]) -> slice | None:
         """The rows of the tables (:attr:`gradients`, :attr:`params`, :attr:`buffers`) that
@@ -148,33 +148,25 @@ class StepScalars:
     def point_at(
         self,
         params: list[torch.Tensor],
+        buffers: list[torch.Tensor],
+        addresses: list[int],
         fresh_table: bool = False,
-        buffers: list[torch.Tensor] | None = None,
-        addresses: list[int] | None = None,
     ) -> None:
-        """Make the table hold ``params``' gradient addresses (slot i: ``params[i]``; or
-        ``addresses``, those same, already read), by one copy issued on the current stream,
-        and only if one changed; ``fresh_table``: a table of its own, for a new capture (a
-        held graph reads its own table), with ``buffers`` (the momentum buffers, in
-        ``params``' order) the tables of the matrices' and buffers' addresses too. The
-        caller orders it: after the last replay that read the table (``Muon``'s step
-        pre-hook waits for it), before the next (a side-stream replay waits for the current
-        stream)."""
-        if addresses is None:
-            addresses = [p.grad.data_ptr() for p in params]
+        """Make the table hold ``addresses``, ``params``' gradient addresses (slot i:
+        ``params[i]``), by one copy issued on the current stream, and only if one changed;
+        ``fresh_table``: a table of its own, for a new capture (a held graph reads its own
+        table), with the tables of the matrices' and their momentum ``buffers``' addresses
+        (in ``params``' order) too. The caller orders it: after the last replay that read the
+        table (``Muon``'s step pre-hook waits for it), before the next (a side-stream replay
+        waits for the current stream)."""
         if fresh_table or self.gradients.numel() != len(params):
             self.gradients = torch.zeros(len(params), dtype=torch.int64, device=self.device)
-            slots = self.gradients.unbind(0)
-            self._slots = {id(p): slot for p, slot in zip(params, slots, strict=True)}
             self._rows = {id(p): i for i, p in enumerate(params)}
             self._addresses = []
-            fixed = [[p.data_ptr() for p in params], [b.data_ptr() for b in buffers or ()]]
+            fixed = [[p.data_ptr() for p in params], [b.data_ptr() for b in buffers]]
             alignment = fused.TABLE_ALIGNMENT
             self._aligned = [
-                buffers is not None and p % alignment == 0 and b % alignment == 0
-                for p, b in zip(
-                    fixed[0], fixed[1] if buffers is not None else fixed[0], strict=True
-                )
+                p % alignment == 0 and b % alignment == 0 for p, b in zip(*fixed, strict=True)
             ]
             self._promised = set()
             # (outside any capture: run() points the tables before it records)
@@ -268,7 +260,7 @@ class MuonStepGraph:
         if recording:  # (its tables are replaced now: never replay it, even if capture fails)
             self.graph, self.key, self.params = None, None, []
         self.scalars.refresh(group, grad_scale)
-        self.scalars.point_at(params, fresh_table=recording, buffers=buffers, addresses=addresses)
+        self.scalars.point_at(params, buffers, addresses, fresh_table=recording)
         if not self.warmed:
             body(self.scalars)
             self.warmed = True
