@@ -335,14 +335,12 @@ def decay_and_update_by_table(
     )
 
 
-def table_passes_run(out: Tensor, *dtypes: torch.dtype) -> bool:
-    """Whether the ``*_by_table`` passes run for the batch ``out`` and matrices of ``dtypes``
-    (Triton, CUDA, the kernels' dtypes)."""
+def table_passes_run(device: torch.device, *dtypes: torch.dtype) -> bool:
+    """Whether the ``*_by_table`` passes run on ``device`` for batches and matrices of
+    ``dtypes`` (Triton, CUDA, the kernels' dtypes)."""
     return (
         enabled()
-        and out.is_cuda
-        and out.ndim == 3
-        and out.dtype in _KERNEL_DTYPES
+        and torch.device(device).type == "cuda"
         and all(d in _KERNEL_DTYPES for d in dtypes)
     )
 

@@ -363,10 +363,11 @@ class Muon(torch.optim.Optimizer):
         captured = scalars is not None
         for chunk in self._chunks(todo, captured):
             grouped = not captured and self._grouped(chunk, group)
-            out = self._orthogonalize(chunk, group, coefficients, grouped, scalars)
+            by_table = captured and self._table_passes(chunk, group, scalars)
+            out = self._orthogonalize(chunk, group, coefficients, grouped, scalars, by_table)
             if grouped:
                 self._grouped_update(chunk, out, group)
-            elif captured and self._table_passes(chunk, out, scalars):
+            elif by_table:
                 for run, batch in _runs(chunk, out):
                     fused.decay_and_update_by_table(
                         scalars.params[scalars.table_rows(run)],
@@ -378,7 +379,7 @@ class Muon(torch.optim.Optimizer):
             else:
                 orthos = [out] if len(chunk) == 1 else out.unbind(0)
                 for p, ortho in zip(chunk, orthos, strict=True):
-                    ortho = ortho if p.shape[-2] <= p.shape[-1] else ortho.mT  # (NS's: wide)
+                    ortho = _shaped_as(ortho, p.shape)  # (NS's is wide)
                     if captured:
                         step = scalars.step(p.shape)
                         fused.decay_and_update_(p.data, ortho, scalars.decay, step)
@@ -407,7 +408,7 @@ class Muon(torch.optim.Optimizer):
         )
 
     def _table_passes(
-        self, chunk: list[torch.Tensor], out: torch.Tensor, scalars: StepScalars
+        self, chunk: list[torch.Tensor], group: dict[str, Any], scalars: StepScalars
     ) -> bool:
         """Whether the captured step's momentum and update passes of ``chunk`` run as one
         launch per run of one shape (``fused.*_by_table``), reading the matrices, buffers
@@ -421,7 +422,7 @@ class Muon(torch.optim.Optimizer):
             and len({p.dtype for p in chunk}) == 1
             and len({self._momentum_buffer(p).dtype for p in chunk}) == 1
             and fused.table_passes_run(
-                out if out.ndim == 3 else out[None], chunk[0].dtype, chunk[0].grad.dtype
+                chunk[0].device, group["ns_dtype"], chunk[0].dtype, chunk[0].grad.dtype
             )
         )
 
@@ -485,12 +486,14 @@ class Muon(torch.optim.Optimizer):
         coefficients,
         grouped: bool,
         scalars: StepScalars | None = None,
+        by_table: bool = False,
     ) -> torch.Tensor:
         """Momentum step + NS of one chunk of same-shape matrices: the orthogonalized batch
         (``[len(chunk), *shape]``; one matrix alone for a chunk of one). The directions are
         written straight into one NS-dtype buffer, which NS then uses as its own scratch: no
         full-precision direction is ever materialized. ``scalars``: a captured step's (the
-        gradients read through their slots; no timing events)."""
+        gradients read through their slots; no timing events); ``by_table``: its momentum
+        passes one launch per run of one shape (``_table_passes``)."""
         args = (coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], self.ns_algorithm)
         shape = chunk[0].shape  # the whole matrix's (also for a DTensor)
         single = len(chunk) == 1
@@ -509,7 +512,7 @@ class Muon(torch.optim.Optimizer):
         )
         if grouped:
             self._grouped_directions(chunk, group, batch.unsqueeze(0) if single else batch)
-        elif scalars is not None and self._table_passes(chunk, batch, scalars):
+        elif by_table:
             for run, directions in _runs(chunk, batch):
                 rows_of_run = scalars.table_rows(run)
                 float32 = run[0].grad.dtype == torch.float32
@@ -529,8 +532,7 @@ class Muon(torch.optim.Optimizer):
                 if scalars is not None:
                     slot = scalars.gradient_slot(p)
                     scale = scalars.grad_scale if p.grad.dtype == torch.float32 else None
-                out = batch if single else batch[i]
-                out = out if p.shape[-2] <= p.shape[-1] else out.mT
+                out = _shaped_as(batch if single else batch[i], p.shape)
                 self._write_direction(p, group, out, slot, scale)
         timed = scalars is None  # (no events inside a captured graph)
         if timed:
@@ -780,9 +782,11 @@ def _runs(chunk: list[torch.Tensor], batch: torch.Tensor):
         stop = start + 1
         while stop < len(chunk) and chunk[stop].shape == chunk[start].shape:
             stop += 1
-        part = batch[start:stop]
-        yield (
-            chunk[start:stop],
-            part if tuple(part.shape[1:]) == tuple(chunk[start].shape) else part.mT,
-        )
+        yield chunk[start:stop], _shaped_as(batch[start:stop], chunk[start].shape)
         start = stop
+
+
+def _shaped_as(view: torch.Tensor, shape) -> torch.Tensor:
+    """``view`` (a matrix or a batch of them, NS's wide layout) seen as matrices of
+    ``shape``: itself, or its transpose for a tall ``shape``."""
+    return view if tuple(view.shape[-2:]) == tuple(shape[-2:]) else view.mT
