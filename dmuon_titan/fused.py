@@ -97,8 +97,7 @@ def momentum_direction_into(
     :meth:`~dmuon_titan.runtime.state.DMuonState.defer_grad_scale`): the product is rounded
     to float32 as ``grad.mul_(scale)`` of a float32 gradient rounds it."""
     by_address = grad_address is not None
-    if grad_scale is not None and grad.dtype != torch.float32:
-        raise ValueError(f"grad_scale needs a float32 gradient, got {grad.dtype}")
+    _check_grad_scale(grad_scale, grad.dtype)
     scaled = grad_scale is not None
     scale_arg = grad_scale if scaled else buffer  # (not read without SCALED)
     grad_arg = grad_address if by_address else grad
@@ -161,6 +160,13 @@ def momentum_direction_into(
         torch.lerp(grad, buffer, momentum, out=out)  # fp32 math, one rounding on store
     else:
         out.copy_(buffer)
+
+
+def _check_grad_scale(grad_scale: Tensor | None, grad_dtype: torch.dtype) -> None:
+    """A gradient factor multiplies float32 gradients only (rounded as their own multiply
+    would round them)."""
+    if grad_scale is not None and grad_dtype != torch.float32:
+        raise ValueError(f"grad_scale needs a float32 gradient, got {grad_dtype}")
 
 
 def decay_and_update_(
@@ -248,8 +254,7 @@ def momentum_directions_by_table(
     launches it replaces each pay a launch and a ramp-up, and their gradient loads, through
     an address the compiler knows nothing of, were not vectorized. CUDA and Triton only
     (:func:`table_passes_run`)."""
-    if grad_scale is not None and grad_dtype != torch.float32:
-        raise ValueError(f"grad_scale needs a float32 gradient, got {grad_dtype}")
+    _check_grad_scale(grad_scale, grad_dtype)
     if out.size(0) > _MAX_GRID_MATRICES:  # (the matrices are a grid dimension)
         for i in range(0, out.size(0), _MAX_GRID_MATRICES):
             part = slice(i, i + _MAX_GRID_MATRICES)
