@@ -37,6 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench_optimizer import clip  # (this directory: the script's own on sys.path)
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_titan as dmuon
@@ -145,11 +146,7 @@ def main() -> None:
                 logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
-            if variant.startswith("dmuon"):
-                defer = not variant.endswith("_clipnow")
-                dmuon.clip_grad_norm_(model, 1.0, foreach=True, defer_owned=defer)
-            else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            clip(model, variant, 1.0)
             for opt in optimizers:
                 opt.step()
                 opt.zero_grad()
