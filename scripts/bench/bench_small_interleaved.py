@@ -16,7 +16,10 @@ Muon on the default matrices, fused AdamW on the rest, the captured step on its 
 (the same, ``cuda_graph=False``), ``dmuon_auto`` (``dmuon`` with ``ns_algorithm="auto"``: Gram NS
 and the symmetric kernel where they are faster; same math, other rounding), ``dmuon_auto_clipnow``
 (``dmuon_auto`` with the clip's multiply of the owned gradients done by the clip, as before the
-captured step took it over), ``torch_muon`` (``torch.optim.Muon`` on the same matrices + fused
+captured step took it over), ``dmuon_auto_sync`` (``dmuon_auto`` replayed on the compute stream),
+``adamw_mw`` (``adamw`` whose weights are set to ``dmuon_auto``'s before each of its blocks: the
+same kernels as AdamW's on a Muon-trained model's values, which tells what the weights alone do
+to the forward and backward), ``torch_muon`` (``torch.optim.Muon`` on the same matrices + fused
 AdamW). Every step clips by the global norm 1.0 (torchtitan's default): DMuon's variants by
 ``dmuon_titan.clip_grad_norm_(defer_owned=True)``, as the torchtitan plugin does. bf16 autocast on CUDA, as torchtitan's single-device training. ``--h2d`` keeps
 the batches on the host and copies each to the GPU as torchtitan does (a blocking copy: the
@@ -30,8 +33,12 @@ host waits for the compute stream), otherwise they stay on the GPU.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
+import json
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -51,8 +58,52 @@ VARIANTS = (
     "dmuon_eager",
     "dmuon_auto",
     "dmuon_auto_clipnow",
+    "dmuon_auto_sync",
+    "adamw_mw",
     "torch_muon",
 )
+
+#: prefix of the profiler ranges that mark a training step's phases (``--phases``)
+PHASE = "phase:"
+PHASES = ("forward", "backward", "clip", "step")
+
+
+def phase_gpu_milliseconds(trace_path: str) -> dict[str, tuple[float, float]]:
+    """Per phase of a profiled block (``PHASE`` ranges of a chrome trace): (the GPU time of
+    the work its host range launched, summed over kernels, copies and fills; the union of
+    their intervals), in ms. A GPU event belongs to the phase in which its runtime call
+    (``cudaLaunchKernel``, ``cudaGraphLaunch``, ...) was made, matched by correlation id:
+    the step's replay on a side stream counts as the step's even while the next forward
+    runs."""
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    ranges = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"].removeprefix(PHASE))
+        for e in events
+        if e.get("cat") == "user_annotation" and e["name"].startswith(PHASE)
+    )
+    launched = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        at = launched.get(e.get("args", {}).get("correlation"))
+        i = bisect.bisect_right(ranges, (at, float("inf"), "")) - 1 if at is not None else -1
+        name = ranges[i][2] if i >= 0 and at <= ranges[i][1] else "other"
+        spans.setdefault(name, []).append((e["ts"], e["ts"] + e["dur"]))
+    out = {}
+    for name, intervals in spans.items():
+        busy, reached = 0.0, float("-inf")
+        for begin, end in sorted(intervals):
+            if end > reached:
+                busy += end - max(begin, reached)
+                reached = end
+        out[name] = (sum(e - b for b, e in intervals) / 1e3, busy / 1e3)
+    return out
 
 
 def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: float):
@@ -79,10 +130,10 @@ def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: 
             adamw_lr=adamw_lr,
             adamw_fused=device.type == "cuda",
             cuda_graph=variant != "dmuon_eager",
-            async_step=variant != "dmuon_sync",
+            async_step=not variant.endswith("_sync"),
         )
         return model, [optimizer]
-    if variant == "adamw":
+    if variant in ("adamw", "adamw_mw"):
         return model, [
             torch.optim.AdamW(model.parameters(), lr=adamw_lr, betas=(0.9, 0.95), **fused)
         ]
@@ -112,6 +163,14 @@ def main() -> None:
         help="then this many rounds of one profiled training block per variant: the GPU's busy "
         "time per step (the step's GPU work, what a GPU-bound loop takes), median",
     )
+    parser.add_argument(
+        "--phases",
+        type=int,
+        default=0,
+        help="then this many rounds of one block per variant timed by phase on the host (no "
+        "synchronization added) and one profiled block per variant: the GPU time of the work "
+        "each phase launched (forward, backward, clip, step), medians per step",
+    )
     args = parser.parse_args()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -138,18 +197,50 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def train_block(model, optimizers) -> None:
+    if "adamw_mw" in runs and "dmuon_auto" not in runs:
+        parser.error("adamw_mw takes dmuon_auto's weights: add dmuon_auto to --variants")
+
+    def prepare(variant: str) -> None:
+        """Before a block of ``variant``'s (untimed): adamw_mw takes dmuon_auto's weights."""
+        if variant != "adamw_mw":
+            return
+        source = dict(runs["dmuon_auto"][0].named_parameters())
+        with torch.no_grad():
+            for name, p in runs["adamw_mw"][0].named_parameters():
+                p.copy_(source[name])
+        sync()
+
+    def train_block(
+        model, optimizers, phases: dict[str, list[float]] | None = None, marked: bool = False
+    ) -> None:
+        """``--block`` training steps; ``phases``: each step's host seconds per phase
+        appended (no synchronization added); ``marked``: each phase a profiler range."""
         variant = next(v for v, run in runs.items() if run[0] is model)
+
+        @contextlib.contextmanager
+        def phase(name: str):
+            begin = time.perf_counter()
+            with (
+                torch.profiler.record_function(PHASE + name) if marked else contextlib.nullcontext()
+            ):
+                yield
+            if phases is not None:
+                phases.setdefault(name, []).append(time.perf_counter() - begin)
+
         for tokens in batches:
-            tokens = tokens.to(device)  # (--h2d: torchtitan's blocking copy)
-            with autocast:
-                logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-            loss.backward()
-            clip(model, variant, 1.0)
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad()
+            with phase("forward"):
+                tokens = tokens.to(device)  # (--h2d: torchtitan's blocking copy)
+                with autocast:
+                    logits = model(tokens[:, :-1])
+            with phase("backward"):
+                loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+                loss.backward()
+            with phase("clip"):
+                clip(model, variant, 1.0)
+            with phase("step"):
+                for opt in optimizers:
+                    opt.step()
+                    opt.zero_grad()
 
     @torch.no_grad()
     def forward_block(model, _optimizers) -> None:
@@ -163,6 +254,7 @@ def main() -> None:
         order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
         for kind, block in (("train", train_block), ("forward", forward_block)):
             for v in order:
+                prepare(v)
                 sync()
                 start = time.perf_counter()
                 block(*runs[v])
@@ -173,8 +265,30 @@ def main() -> None:
     for round_ in range(args.gpu_busy):
         order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
         for v in order:
+            prepare(v)
             ms = gpu_busy_milliseconds(lambda v=v: train_block(*runs[v]), device)
             busy[v].append(ms / 1e3 / args.block)
+    host: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
+    gpu: dict[str, dict[str, list[tuple[float, float]]]] = {v: {} for v in variants}
+    for round_ in range(args.phases):
+        order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
+        for v in order:
+            prepare(v)
+            sync()
+            train_block(*runs[v], phases=host[v])
+            sync()
+            prepare(v)
+            activity = torch.profiler.ProfilerActivity
+            with torch.profiler.profile(
+                activities=[activity.CPU] + [activity.CUDA] * (device.type == "cuda")
+            ) as profile:
+                train_block(*runs[v], marked=True)
+                sync()
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "trace.json")
+                profile.export_chrome_trace(path)
+                for name, (total, busy) in phase_gpu_milliseconds(path).items():
+                    gpu[v].setdefault(name, []).append((total / args.block, busy / args.block))
     tokens = args.batch * args.seq
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
@@ -210,7 +324,33 @@ def main() -> None:
             ratio = f"{statistics.median(busy['adamw']) / t:.3f}" if "adamw" in busy else "-"
             each = ", ".join(f"{b * 1e3:.2f}" for b in busy[v])
             print(f"| {v} | {t * 1e3:.2f} | {ratio} | {each} |")
-    for v in ("dmuon", "dmuon_sync", "dmuon_auto", "dmuon_auto_clipnow"):
+    if args.phases:
+        print(
+            f"Per phase of a training step ({args.phases} rounds, medians per step, ms): host "
+            "time (no synchronization added; what the host spends issuing it) and GPU time of "
+            "the work it launched (summed / union of its intervals):"
+        )
+        print(
+            "| variant | "
+            + " | ".join(f"{p} host" for p in PHASES)
+            + " | host total | "
+            + " | ".join(f"{p} GPU" for p in PHASES)
+            + " | other GPU |"
+        )
+        print("| --- " * (2 * len(PHASES) + 3) + "|")
+        for v in variants:
+            hosts = [statistics.median(host[v].get(p, [0.0])) * 1e3 for p in PHASES]
+            cells = [f"{h:.2f}" for h in hosts] + [f"{sum(hosts):.2f}"]
+            for p in PHASES + ("other",):
+                pairs = gpu[v].get(p)
+                if pairs:
+                    total = statistics.median(t for t, _ in pairs)
+                    busy = statistics.median(b for _, b in pairs)
+                    cells.append(f"{total:.2f} / {busy:.2f}")
+                else:
+                    cells.append("-")
+            print(f"| {v} | " + " | ".join(cells) + " |")
+    for v in ("dmuon", "dmuon_sync", "dmuon_auto", "dmuon_auto_clipnow", "dmuon_auto_sync"):
         if v in runs:
             record = runs[v][1][0].step_graph
             print(
