@@ -287,8 +287,8 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 path = os.path.join(tmp, "trace.json")
                 profile.export_chrome_trace(path)
-                for name, (total, busy) in phase_gpu_milliseconds(path).items():
-                    gpu[v].setdefault(name, []).append((total / args.block, busy / args.block))
+                for name, (total, union) in phase_gpu_milliseconds(path).items():
+                    gpu[v].setdefault(name, []).append((total / args.block, union / args.block))
     tokens = args.batch * args.seq
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
@@ -345,8 +345,8 @@ def main() -> None:
                 pairs = gpu[v].get(p)
                 if pairs:
                     total = statistics.median(t for t, _ in pairs)
-                    busy = statistics.median(b for _, b in pairs)
-                    cells.append(f"{total:.2f} / {busy:.2f}")
+                    union = statistics.median(b for _, b in pairs)
+                    cells.append(f"{total:.2f} / {union:.2f}")
                 else:
                     cells.append("-")
             print(f"| {v} | " + " | ".join(cells) + " |")
