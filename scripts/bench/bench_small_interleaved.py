@@ -35,8 +35,10 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
+import gzip
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -171,6 +173,12 @@ def main() -> None:
         "synchronization added) and one profiled block per variant: the GPU time of the work "
         "each phase launched (forward, backward, clip, step), medians per step",
     )
+    parser.add_argument(
+        "--trace-dir",
+        default=None,
+        help="with --phases: keep each variant's last profiled block there "
+        "(VARIANT.json.gz, torch.profiler's chrome trace)",
+    )
     args = parser.parse_args()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -289,6 +297,11 @@ def main() -> None:
                 profile.export_chrome_trace(path)
                 for name, (total, union) in phase_gpu_milliseconds(path).items():
                     gpu[v].setdefault(name, []).append((total / args.block, union / args.block))
+                if args.trace_dir and round_ == args.phases - 1:
+                    os.makedirs(args.trace_dir, exist_ok=True)
+                    target = os.path.join(args.trace_dir, f"{v}.json.gz")
+                    with open(path, "rb") as src, gzip.open(target, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
     tokens = args.batch * args.seq
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
