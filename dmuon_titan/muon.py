@@ -22,7 +22,6 @@ from torch.optim.adamw import adamw
 
 from . import fused, newton_schulz, update
 from .options import DEFAULT_NS_BATCH_NUMEL, MuonOptions
-from .plan.cost import orthogonalize_flops
 from .runtime.owned_param import dedicated_of, is_dedicated
 from .runtime.state import STATE_ATTR, DMuonState, scale_gradients_
 from .step_graph import MuonStepGraph, StepScalars
@@ -41,11 +40,6 @@ GROUPED_PASS_NUMEL = 1 << 22
 #: elements per foreach group of those passes (bounds their full-precision temporaries, 256
 #: MiB in float32; fewer groups, fewer launches)
 GROUPED_PASS_SLICE_NUMEL = 1 << 26
-
-
-#: The captured step runs its NS batches in this many concurrent branches of its graph
-#: (lanes, balanced by NS FLOPs; 1: one after another).
-CAPTURED_LANES = 2
 
 
 class Muon(torch.optim.Optimizer):
@@ -177,16 +171,11 @@ class Muon(torch.optim.Optimizer):
         self.step_graph = MuonStepGraph(async_step=options.async_step)
         #: (the matrices' ids, those matrices in chunk order): ``_in_chunk_order``'s last
         self._chunk_order: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
-        self._lane_stream_pool: list[torch.cuda.Stream] = []
         if self._dmuon is not None:  # (its forward, backward and state dicts wait for it)
             self._dmuon.step_graphs.add(self.step_graph)
             self._dmuon.optimizers.add(self)  # (a clip may leave its factor to this step)
         self.register_step_pre_hook(Muon._before_step)
         self.register_step_post_hook(Muon._after_step)
-
-    #: the captured step's lanes (:data:`CAPTURED_LANES`); an attribute so that a benchmark can
-    #: compare
-    captured_lanes: int = CAPTURED_LANES
 
     def _split_params(self, model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(Muon group, AdamW group): every dedicated matrix, then every other trainable one."""
@@ -372,66 +361,32 @@ class Muon(torch.optim.Optimizer):
         costs the host nothing, but the GPU a ramp-up each), and the lr-dependent factors
         come from those device scalars."""
         captured = scalars is not None
-        chunks = self._chunks(todo, captured)
-        on_gpu = captured and todo[0].device.type == "cuda"
-        lanes = _lanes(chunks, self.captured_lanes, self.ns_algorithm) if on_gpu else [chunks]
-        if len(lanes) == 1:
-            for chunk in chunks:
-                self._step_chunk(chunk, group, coefficients, scalars)
-            return
-        # Concurrent branches of the graph: one lane's bandwidth-bound passes and NS launch
-        # ramps run beside another lane's products. Each lane allocates, uses and frees its
-        # temporaries on its own stream; the inputs outlive the join below.
-        home = torch.cuda.current_stream(todo[0].device)
-        streams = [home, *self._lane_streams(todo[0].device, len(lanes) - 1)]
-        for stream, lane in zip(streams, lanes, strict=True):
-            if stream is not home:
-                stream.wait_stream(home)
-            with torch.cuda.stream(stream):
-                for chunk in lane:
-                    self._step_chunk(chunk, group, coefficients, scalars)
-        for stream in streams[1:]:
-            home.wait_stream(stream)
-
-    def _lane_streams(self, device: torch.device, count: int) -> list[torch.cuda.Stream]:
-        """``count`` streams of ``device`` for the captured step's lanes beyond the first
-        (made once)."""
-        while len(self._lane_stream_pool) < count:
-            self._lane_stream_pool.append(torch.cuda.Stream(device=device))
-        return self._lane_stream_pool[:count]
-
-    def _step_chunk(
-        self,
-        chunk: list[torch.Tensor],
-        group: dict[str, Any],
-        coefficients,
-        scalars: StepScalars | None,
-    ) -> None:
-        """Momentum, NS and the update of one NS batch (see :meth:`_step_matrices`)."""
-        captured = scalars is not None
-        grouped = not captured and self._grouped(chunk, group)
-        by_table = captured and self._table_passes(chunk, group, scalars)
-        out = self._orthogonalize(chunk, group, coefficients, grouped, scalars, by_table)
-        if grouped:
-            self._grouped_update(chunk, out, group)
-        elif by_table:
-            for run, batch in _runs(chunk, out):
-                fused.decay_and_update_by_table(
-                    scalars.params[scalars.table_rows(run)],
-                    run[0].dtype,
-                    batch,
-                    scalars.decay,
-                    scalars.step(run[0].shape),
-                )
-        else:
-            orthos = [out] if len(chunk) == 1 else out.unbind(0)
-            for p, ortho in zip(chunk, orthos, strict=True):
-                ortho = _shaped_as(ortho, p.shape)  # (NS's is wide)
-                if captured:
-                    step = scalars.step(p.shape)
-                    fused.decay_and_update_(p.data, ortho, scalars.decay, step)
-                else:
-                    self._update_matrix(p, ortho, group)
+        for chunk in self._chunks(todo, captured):
+            grouped = not captured and self._grouped(chunk, group)
+            by_table = captured and self._table_passes(chunk, group, scalars)
+            out = self._orthogonalize(chunk, group, coefficients, grouped, scalars, by_table)
+            if grouped:
+                self._grouped_update(chunk, out, group)
+            elif by_table:
+                for run, batch in _runs(chunk, out):
+                    fused.decay_and_update_by_table(
+                        scalars.params[scalars.table_rows(run)],
+                        run[0].dtype,
+                        batch,
+                        scalars.decay,
+                        scalars.step(run[0].shape),
+                    )
+            else:
+                orthos = [out] if len(chunk) == 1 else out.unbind(0)
+                for p, ortho in zip(chunk, orthos, strict=True):
+                    ortho = _shaped_as(ortho, p.shape)  # (NS's is wide)
+                    if captured:
+                        step = scalars.step(p.shape)
+                        fused.decay_and_update_(p.data, ortho, scalars.decay, step)
+                    else:
+                        self._update_matrix(p, ortho, group)
+                del orthos
+            del out  # NS's output for the chunk: free it before the next chunk
 
     def _in_chunk_order(self, todo: list[torch.Tensor]) -> list[torch.Tensor]:
         """``todo`` in the order of the captured step's chunks, kept from the last step while
@@ -815,19 +770,6 @@ def ns_batch_size(matrix_numel: int, max_numel: int, unbatched_numel: int | None
     if unbatched_numel is not None and matrix_numel >= unbatched_numel:
         return 1
     return max(1, max_numel // matrix_numel) if max_numel else 1
-
-
-def _lanes(chunks: list[list[torch.Tensor]], count: int, algorithm: str) -> list[list]:
-    """``chunks`` dealt to at most ``count`` lanes, longest NS first to the lane with the
-    least so far (NS FLOPs of ``algorithm``); lanes keep the chunks' order. Fewer lanes for
-    fewer chunks."""
-    cost = [orthogonalize_flops((len(c), *c[0].shape), algorithm) for c in chunks]
-    loads, members = [0] * min(count, len(chunks)), [[] for _ in range(min(count, len(chunks)))]
-    for i in sorted(range(len(chunks)), key=lambda i: -cost[i]):
-        lane = loads.index(min(loads))
-        loads[lane] += cost[i]
-        members[lane].append(i)
-    return [[chunks[i] for i in sorted(lane)] for lane in members if lane]
 
 
 def _runs(chunk: list[torch.Tensor], batch: torch.Tensor):

@@ -208,8 +208,6 @@ def build(
             optimizer.ns_unbatched_numel = 4096 * 4096
         elif variant.endswith("_bigbatched"):  # everything batched by ns_batch_numel
             optimizer.ns_unbatched_numel = None
-        elif variant.endswith("_1lane"):  # the captured step's NS batches one after another
-            optimizer.captured_lanes = 1
     return model, optimizer
 
 

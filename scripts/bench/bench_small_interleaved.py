@@ -16,8 +16,7 @@ Muon on the default matrices, fused AdamW on the rest, the captured step on its 
 (the same, ``cuda_graph=False``), ``dmuon_auto`` (``dmuon`` with ``ns_algorithm="auto"``: Gram NS
 and the symmetric kernel where they are faster; same math, other rounding), ``dmuon_auto_clipnow``
 (``dmuon_auto`` with the clip's multiply of the owned gradients done by the clip, as before the
-captured step took it over), ``dmuon_auto_sync`` (``dmuon_auto`` replayed on the compute stream), ``dmuon_auto_1lane``
-(``dmuon_auto`` with its NS batches one after another in the graph: ``captured_lanes = 1``),
+captured step took it over), ``dmuon_auto_sync`` (``dmuon_auto`` replayed on the compute stream),
 ``adamw_mw`` (``adamw`` whose weights are set to ``dmuon_auto``'s before each of its blocks: the
 same kernels as AdamW's on a Muon-trained model's values, which tells what the weights alone do
 to the forward and backward), ``torch_muon`` (``torch.optim.Muon`` on the same matrices + fused
@@ -62,7 +61,6 @@ VARIANTS = (
     "dmuon_auto",
     "dmuon_auto_clipnow",
     "dmuon_auto_sync",
-    "dmuon_auto_1lane",
     "adamw_mw",
     "torch_muon",
 )
@@ -136,8 +134,6 @@ def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: 
             cuda_graph=variant != "dmuon_eager",
             async_step=not variant.endswith("_sync"),
         )
-        if variant.endswith("_1lane"):
-            optimizer.captured_lanes = 1
         return model, [optimizer]
     if variant in ("adamw", "adamw_mw"):
         return model, [
