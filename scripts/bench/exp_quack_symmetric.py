@@ -13,7 +13,7 @@ product with an addend). Each variant is timed as a CUDA graph of ``--calls`` ca
 is checked against a float32 product (relative Frobenius error) and, for quack, for symmetry.
 
     PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD \\
-        python3 scripts/bench/exp_quack_symmetric.py --rounds 5
+        python3 scripts/bench/exp_quack_symmetric.py --rounds 5 --whole-ns
 """
 
 from __future__ import annotations
@@ -63,11 +63,104 @@ def variants(quack_symmetric):
     return out
 
 
+def quack_symmetric_mm(quack_symmetric, fallback):
+    """A stand-in for ``symmetric.symmetric_mm`` that runs quack's kernel (the diagonal added
+    afterwards) and leaves a call with a per-matrix ``scale`` (NS's folded normalization) to
+    ``fallback``, the Triton kernel."""
+
+    def mm(a, b, *, addend=None, alpha=1.0, beta=1.0, diagonal=0.0, scale=None, **launch):
+        if scale is not None:
+            return fallback(
+                a, b, addend=addend, alpha=alpha, beta=beta, diagonal=diagonal, scale=scale
+            )
+        batched = a.ndim == 3
+        a3, b3 = (a, b) if batched else (a.unsqueeze(0), b.unsqueeze(0))
+        c3 = None
+        if addend is not None:
+            c3 = addend if addend.ndim == 3 else addend.unsqueeze(0).expand(a3.size(0), -1, -1)
+        out = quack_symmetric(a3, b3, C=c3, alpha=float(alpha), beta=float(beta))
+        if diagonal:
+            out.diagonal(dim1=-2, dim2=-1).add_(diagonal)
+        return out if batched else out.squeeze(0)
+
+    return mm
+
+
+def whole_ns(quack_symmetric, rounds: int, reps: int) -> None:
+    """Newton–Schulz of the two 170M batches (``"auto"``, bf16, 5 Jordan steps) with the
+    Triton kernel and with quack's, interleaved; each result against float64 NS."""
+    from dmuon_titan import newton_schulz
+
+    device = torch.device("cuda")
+    coefficients = newton_schulz.normalize_coefficients("jordan")
+    batches = {
+        "48 x 1024x1024": torch.randn(48, 1024, 1024, device=device),
+        "36 x 1024x2816": torch.randn(36, 1024, 2816, device=device),
+    }
+    triton_mm = symmetric.symmetric_mm
+    quack_mm = quack_symmetric_mm(quack_symmetric, triton_mm)
+    times = {}
+    for name, x in batches.items():
+        exact = newton_schulz.orthogonalize(x.double(), coefficients, 5, 1e-7, torch.float64)
+        bf16 = x.to(torch.bfloat16)
+        for label, mm in (("Triton", triton_mm), ("quack", quack_mm)):
+            symmetric.symmetric_mm = mm
+            try:
+                got = newton_schulz.orthogonalize(
+                    bf16, coefficients, 5, 1e-7, torch.bfloat16, "auto"
+                )
+                err = ((got.double() - exact).norm() / exact.norm()).item()
+                times[(name, label)] = (err, [])
+            except Exception as e:
+                times[(name, label)] = (f"failed: {type(e).__name__}: {str(e)[:80]}", None)
+            finally:
+                symmetric.symmetric_mm = triton_mm
+    keys = list(times)
+    for r in range(rounds):
+        for name, label in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            samples = times[(name, label)][1]
+            if samples is None:
+                continue
+            symmetric.symmetric_mm = quack_mm if label == "quack" else triton_mm
+            try:
+                bf16 = batches[name].to(torch.bfloat16)
+                samples.append(
+                    graph_median_milliseconds(
+                        lambda bf16=bf16: newton_schulz.orthogonalize(
+                            bf16, coefficients, 5, 1e-7, torch.bfloat16, "auto"
+                        ),
+                        device,
+                        warmup=2,
+                        reps=reps,
+                        calls=2,
+                    )
+                )
+            finally:
+                symmetric.symmetric_mm = triton_mm
+    print(
+        f"whole NS ('auto', bf16), ms, median of {rounds} rounds; relative error against float64 NS"
+    )
+    print("| batch | Triton kernel | quack |")
+    print("| --- | --- | --- |")
+    for name in batches:
+        cells = []
+        for label in ("Triton", "quack"):
+            err, samples = times[(name, label)]
+            if samples:
+                cells.append(f"{statistics.median(samples):.3f} (err {err:.2e})")
+            else:
+                cells.append(str(err))
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument(
+        "--whole-ns", action="store_true", help="then whole NS of the 170M batches, both kernels"
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     try:
@@ -134,6 +227,8 @@ def main() -> None:
             else "-"
         )
         print(f"| {case} | " + " | ".join(cells) + f" | {ratio} |")
+    if args.whole_ns and quack_symmetric is not None:
+        whole_ns(quack_symmetric, args.rounds, args.reps)
 
 
 if __name__ == "__main__":
