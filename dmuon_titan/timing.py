@@ -123,14 +123,20 @@ def gpu_busy_milliseconds(fn: Callable[[], object], device: torch.device | str) 
         fn()
         torch.cuda.synchronize(device)
     on_device = torch.autograd.DeviceType.CUDA
-    spans = sorted(
+    spans = [
         (e.time_range.start, e.time_range.end)
         for e in profile.events()
         if e.device_type == on_device
-    )
+    ]
+    return interval_union(spans) / 1e3
+
+
+def interval_union(spans) -> float:
+    """The length of the union of ``(begin, end)`` intervals (any order, any overlap), in
+    their unit."""
     busy, reached = 0.0, float("-inf")
-    for begin, end in spans:
+    for begin, end in sorted(spans):
         if end > reached:
             busy += end - max(begin, reached)
             reached = end
-    return busy / 1e3
+    return busy

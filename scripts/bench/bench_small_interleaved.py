@@ -50,7 +50,7 @@ from bench_optimizer import clip  # (this directory: the script's own on sys.pat
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_titan as dmuon
-from dmuon_titan.timing import gpu_busy_milliseconds
+from dmuon_titan.timing import gpu_busy_milliseconds, interval_union
 from dmuon_titan.toy.flavors import add_flavors
 
 VARIANTS = (
@@ -97,15 +97,10 @@ def phase_gpu_milliseconds(trace_path: str) -> dict[str, tuple[float, float]]:
         i = bisect.bisect_right(ranges, (at, float("inf"), "")) - 1 if at is not None else -1
         name = ranges[i][2] if i >= 0 and at <= ranges[i][1] else "other"
         spans.setdefault(name, []).append((e["ts"], e["ts"] + e["dur"]))
-    out = {}
-    for name, intervals in spans.items():
-        busy, reached = 0.0, float("-inf")
-        for begin, end in sorted(intervals):
-            if end > reached:
-                busy += end - max(begin, reached)
-                reached = end
-        out[name] = (sum(e - b for b, e in intervals) / 1e3, busy / 1e3)
-    return out
+    return {
+        name: (sum(e - b for b, e in intervals) / 1e3, interval_union(intervals) / 1e3)
+        for name, intervals in spans.items()
+    }
 
 
 def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: float):
@@ -180,6 +175,8 @@ def main() -> None:
         "(VARIANT.json.gz, torch.profiler's chrome trace)",
     )
     args = parser.parse_args()
+    if "adamw_mw" in args.variants.split(",") and "dmuon_auto" not in args.variants.split(","):
+        parser.error("adamw_mw takes dmuon_auto's weights: add dmuon_auto to --variants")
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -204,9 +201,6 @@ def main() -> None:
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
-
-    if "adamw_mw" in runs and "dmuon_auto" not in runs:
-        parser.error("adamw_mw takes dmuon_auto's weights: add dmuon_auto to --variants")
 
     def prepare(variant: str) -> None:
         """Before a block of ``variant``'s (untimed): adamw_mw takes dmuon_auto's weights."""
