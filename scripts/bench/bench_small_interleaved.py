@@ -35,9 +35,11 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
+import cProfile
 import gzip
 import json
 import os
+import pstats
 import shutil
 import statistics
 import tempfile
@@ -169,6 +171,13 @@ def main() -> None:
         "each phase launched (forward, backward, clip, step), medians per step",
     )
     parser.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        help="then this many blocks per variant with cProfile on around the clip and the step "
+        "(with zero_grad): the host's time in them by function, per step",
+    )
+    parser.add_argument(
         "--trace-dir",
         default=None,
         help="with --phases: keep each variant's last profiled block there "
@@ -213,14 +222,22 @@ def main() -> None:
         sync()
 
     def train_block(
-        model, optimizers, phases: dict[str, list[float]] | None = None, marked: bool = False
+        model,
+        optimizers,
+        phases: dict[str, list[float]] | None = None,
+        marked: bool = False,
+        profiler: cProfile.Profile | None = None,
     ) -> None:
         """``--block`` training steps; ``phases``: each step's host seconds per phase
-        appended (no synchronization added); ``marked``: each phase a profiler range."""
+        appended (no synchronization added); ``marked``: each phase a profiler range;
+        ``profiler``: enabled during the clip and the step."""
         variant = next(v for v, run in runs.items() if run[0] is model)
 
         @contextlib.contextmanager
         def phase(name: str):
+            profiled = profiler is not None and name in ("clip", "step")
+            if profiled:
+                profiler.enable()
             begin = time.perf_counter()
             with (
                 torch.profiler.record_function(PHASE + name) if marked else contextlib.nullcontext()
@@ -228,6 +245,8 @@ def main() -> None:
                 yield
             if phases is not None:
                 phases.setdefault(name, []).append(time.perf_counter() - begin)
+            if profiled:
+                profiler.disable()
 
         for tokens in batches:
             with phase("forward"):
@@ -296,6 +315,14 @@ def main() -> None:
                     target = os.path.join(args.trace_dir, f"{v}.json.gz")
                     with open(path, "rb") as src, gzip.open(target, "wb") as dst:
                         shutil.copyfileobj(src, dst)
+    profiles = {}
+    for v in variants if args.host_profile else ():
+        profiles[v] = cProfile.Profile()
+        for _ in range(args.host_profile):
+            prepare(v)
+            sync()
+            train_block(*runs[v], profiler=profiles[v])
+            sync()
     tokens = args.batch * args.seq
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
@@ -357,6 +384,22 @@ def main() -> None:
                 else:
                     cells.append("-")
             print(f"| {v} | " + " | ".join(cells) + " |")
+    for v, profile in profiles.items():
+        steps = args.host_profile * args.block
+        stats = pstats.Stats(profile)
+        total = stats.total_tt / steps * 1e3
+        print(
+            f"{v}: host time in clip + step under cProfile, {total:.2f} ms per step; top functions:"
+        )
+        print("| function | calls per step | own ms per step | cumulative ms per step |")
+        print("| --- | --- | --- | --- |")
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
+        for (file, line, func), (_, calls, own, cumulative, _) in rows:
+            where = f"{os.path.basename(file)}:{line}:{func}" if line else func
+            print(
+                f"| {where} | {calls / steps:.1f} | {own / steps * 1e3:.3f} | "
+                f"{cumulative / steps * 1e3:.3f} |"
+            )
     for v in ("dmuon", "dmuon_sync", "dmuon_auto", "dmuon_auto_clipnow", "dmuon_auto_sync"):
         if v in runs:
             record = runs[v][1][0].step_graph
