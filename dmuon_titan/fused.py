@@ -60,10 +60,28 @@ def _fusable(first: Tensor, *others: Tensor, contiguous_others: bool = True) -> 
     )
 
 
-def momentum_fusable(grad: Tensor, buffer: Tensor, out_dtype: torch.dtype) -> bool:
-    """Whether :func:`momentum_direction_into` runs ``grad`` and ``buffer`` into an output of
-    ``out_dtype`` by a kernel (and so may read the gradient through ``grad_address``)."""
-    return _fusable(buffer, grad) and out_dtype in _KERNEL_DTYPES
+def momentum_all_fusable(
+    grads: list[Tensor], buffers: list[Tensor], out_dtype: torch.dtype
+) -> bool:
+    """Whether :func:`momentum_direction_into` runs every pair of ``grads`` and ``buffers``
+    into an output of ``out_dtype`` by a kernel (and so may read each gradient through
+    ``grad_address``). Asked every step for every matrix: the environment and ``out_dtype``
+    are read once, and each tensor's attributes once."""
+    if not enabled() or out_dtype not in _KERNEL_DTYPES:
+        return False
+    dtypes = _KERNEL_DTYPES
+    for grad, buffer in zip(grads, buffers, strict=True):
+        if not (
+            buffer.is_cuda
+            and buffer.dtype in dtypes
+            and grad.dtype in dtypes
+            and buffer.is_contiguous()
+            and grad.is_contiguous()
+            and grad.shape == buffer.shape
+            and grad.device == buffer.device
+        ):
+            return False
+    return True
 
 
 def _capturing() -> bool:

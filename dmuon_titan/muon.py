@@ -169,6 +169,8 @@ class Muon(torch.optim.Optimizer):
         self.timer = PhaseTimer(device)
         #: the captured step of the matrices (one rank on a GPU; see ``cuda_graph``)
         self.step_graph = MuonStepGraph(async_step=options.async_step)
+        #: ids of the matrices this rank steps, as :meth:`follow_model` last found them
+        self._stepped: set[int] | None = None
         #: (the matrices' ids, those matrices in chunk order): ``_in_chunk_order``'s last
         self._chunk_order: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
         if self._dmuon is not None:  # (its forward, backward and state dicts wait for it)
@@ -193,11 +195,16 @@ class Muon(torch.optim.Optimizer):
         """
         if self._dmuon is not None:
             held = self.param_groups[0]["params"]
+            stepped = set()
             for i, p in enumerate(self._dmuon.params):
-                if held[i] is not p.owned:
+                owned = p.owned
+                if held[i] is not owned:
                     if held[i] in self.state:
-                        self.state[p.owned] = self.state.pop(held[i])
-                    held[i] = p.owned
+                        self.state[owned] = self.state.pop(held[i])
+                    held[i] = owned
+                if p.is_owner:
+                    stepped.add(id(owned))
+            self._stepped = stepped
         for p in self.param_groups[1]["params"]:
             if p.is_meta:
                 name = self._names.get(id(p), f"of shape {tuple(p.shape)}")
@@ -274,10 +281,14 @@ class Muon(torch.optim.Optimizer):
         return self.timer.milliseconds()
 
     def _stepped_ids(self) -> set[int]:
-        """ids of the Muon-group parameters this rank updates: the matrices it owns."""
+        """ids of the Muon-group parameters this rank updates: the matrices it owns (as
+        :meth:`follow_model`, which ``step()`` and :meth:`materialize_state` call first,
+        last found them)."""
         if self._dmuon is None:
             return set()
-        return {id(p.owned) for p in self._dmuon.params if p.is_owner}
+        if self._stepped is None:
+            self.follow_model()
+        return self._stepped
 
     def _scatter(self, param: torch.Tensor, ortho: torch.Tensor):
         """(the tensor to update, its part of ``ortho``): the whole matrix for an owner."""
@@ -297,6 +308,7 @@ class Muon(torch.optim.Optimizer):
         captured = self._graph_eligible(group, todo)
         if captured:  # (in chunk order: each chunk's rows of the step's tables consecutive)
             todo = self._in_chunk_order(todo)
+            buffers = [self._momentum_buffer(p) for p in todo]  # (made by the check above)
         # A clip's factor the gradients still owe (DMuonState.defer_grad_scale): the captured
         # step multiplies each gradient by it as its momentum pass reads it (and the factor
         # stays owed); every other path first multiplies the gradients, as the clip would have.
@@ -313,7 +325,6 @@ class Muon(torch.optim.Optimizer):
         if shared is not None:
             self._step_shared(group, mine, coefficients, shared)
         if captured:
-            buffers = [self._momentum_buffer(p) for p in todo]  # (made by the check above)
 
             def body(scalars: StepScalars) -> None:
                 self._step_matrices(group, todo, coefficients, scalars)
@@ -331,21 +342,26 @@ class Muon(torch.optim.Optimizer):
         every momentum pass a kernel that reads its gradient through an address slot
         (:mod:`dmuon_titan.step_graph`): Triton, contiguous gradients and momentum buffers
         and an NS dtype of the kernels' (float32/bfloat16/float16; not float64)."""
-        return (
+        if not (
             self.options.cuda_graph
             and bool(todo)
             and self._dmuon is not None
             and self._dmuon.direct
             and todo[0].device.type == "cuda"
             and group["ns_dtype"] != torch.float16
-            and len({p.dtype for p in todo}) == 1
-            and all(type(p.grad) is torch.Tensor and type(p.data) is torch.Tensor for p in todo)
-            and all(
-                fused.momentum_fusable(p.grad, self._momentum_buffer(p), group["ns_dtype"])
-                for p in todo
-            )
             and not torch.cuda.is_current_stream_capturing()
-        )
+        ):
+            return False
+        # (asked every step of every matrix: one pass, each attribute read once)
+        dtype, plain = todo[0].dtype, torch.Tensor
+        grads = [p.grad for p in todo]
+        if not all(
+            p.dtype == dtype and type(g) is plain and type(p.data) is plain
+            for p, g in zip(todo, grads, strict=True)
+        ):
+            return False
+        buffers = [self._momentum_buffer(p) for p in todo]
+        return fused.momentum_all_fusable(grads, buffers, group["ns_dtype"])
 
     def _step_matrices(
         self,

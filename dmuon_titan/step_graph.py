@@ -48,9 +48,12 @@ model's next forward (every boundary, and the root), ``state_dict()``/``load_sta
 of the model and of the optimizer, DMuon's state-dict functions,
 ``wait_all_replicate_broadcasts``, and a ``zero_grad`` that zeroes in place (torchtitan's
 checkpoint save also waits on the host, for DCP may stage on a stream of its own). The
-allocator is told that the side stream uses the tensors the graph touches, and each replay's
-gradients (``record_stream``), so memory freed meanwhile (a ``zero_grad`` right after the
-step) is not handed out under it. Same kernels, same inputs: the results are the
+allocator is told that the side stream uses the tensors the graph touches (``record_stream``,
+once per capture), so memory freed meanwhile (``del model``) is not handed out under it; each
+replay's gradients are held instead until the next ``wait``, after which the current stream
+reuses their memory only behind the replay (a ``zero_grad`` right after the step drops them:
+``record_stream`` on each would cost the host an allocator call per matrix, and an event per
+block when it is freed). Same kernels, same inputs: the results are the
 current-stream replay's, bit for bit.
 """
 
@@ -203,6 +206,9 @@ class MuonStepGraph:
         self.disabled = False
         #: the matrices the held graph steps
         self.params: list[torch.Tensor] = []
+        #: the gradients the last asynchronous replay reads, until the next :meth:`wait`
+        self._held: list[torch.Tensor] = []
+        self._held_stream: torch.cuda.Stream | None = None
 
     @staticmethod
     def _key(group: dict[str, Any], params: list[torch.Tensor], buffers) -> tuple:
@@ -291,8 +297,9 @@ class MuonStepGraph:
             return
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(stream.device))  # gradients, scalars
-        for p in params:  # (a zero_grad right after the step frees them: not for reuse yet)
-            p.grad.record_stream(stream)
+        # (a zero_grad right after the step drops them: held until the next wait())
+        self._held = [p.grad for p in params]
+        self._held_stream = torch.cuda.current_stream(stream.device)
         with torch.cuda.stream(stream):
             self.graph.replay()
         self.done.record(stream)
@@ -302,13 +309,19 @@ class MuonStepGraph:
         table it reads is replaced."""
         if self.stream is not None:
             self.stream.synchronize()
+            self._held = []
 
     def wait(self) -> None:
         """Make the current stream wait (on the GPU) for the last replay; nothing without
         asynchronous replays, or while the current stream is being captured (a wait on an
         outside event would void it)."""
         if self.done is not None and not torch.cuda.is_current_stream_capturing():
-            torch.cuda.current_stream(self.stream.device).wait_event(self.done)
+            current = torch.cuda.current_stream(self.stream.device)
+            current.wait_event(self.done)
+            if current == self._held_stream:
+                # The gradients' stream: their memory freed from here on is reused behind
+                # the replay (the caching allocator hands a block out again on its stream).
+                self._held = []
 
     def _share_with_side_stream(self, params: list[torch.Tensor], buffers) -> None:
         """Tell the caching allocator that the side stream uses what the graph reads and

@@ -393,13 +393,17 @@ def main() -> None:
         )
         print("| function | calls per step | own ms per step | cumulative ms per step |")
         print("| --- | --- | --- | --- |")
-        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
-        for (file, line, func), (_, calls, own, cumulative, _) in rows:
-            where = f"{os.path.basename(file)}:{line}:{func}" if line else func
-            print(
-                f"| {where} | {calls / steps:.1f} | {own / steps * 1e3:.3f} | "
-                f"{cumulative / steps * 1e3:.3f} |"
-            )
+        by_own = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
+        ours = [kv for kv in stats.stats.items() if "dmuon_titan" in kv[0][0]]
+        by_cumulative = sorted(ours, key=lambda kv: -kv[1][3])[:20]
+        for title, rows in (("own time", by_own), ("DMuon's, by cumulative time", by_cumulative)):
+            print(f"| ({title}) | | | |")
+            for (file, line, func), (_, calls, own, cumulative, _) in rows:
+                where = f"{os.path.basename(file)}:{line}:{func}" if line else func
+                print(
+                    f"| {where} | {calls / steps:.1f} | {own / steps * 1e3:.3f} | "
+                    f"{cumulative / steps * 1e3:.3f} |"
+                )
     for v in ("dmuon", "dmuon_sync", "dmuon_auto", "dmuon_auto_clipnow", "dmuon_auto_sync"):
         if v in runs:
             record = runs[v][1][0].step_graph

@@ -24,8 +24,8 @@ cut dmuon_titan/muon.py "        if not set_to_none:
             self.step_graph.wait()
 " ""
 run "zero_grad in place does not wait (must fail)"; restore
-cut dmuon_titan/step_graph.py "            p.grad.record_stream(stream)" "            pass"
-run "a replay's gradients are not marked as used by its stream (must fail)"; restore
+cut dmuon_titan/step_graph.py "        self._held = [p.grad for p in params]" "        self._held = []"
+run "a replay's gradients are not held until the next wait (must fail)"; restore
 cut dmuon_titan/runtime/hooks.py "        *register_state_dict_waits(state, root)," ""
 run "model.state_dict() does not wait (must fail)"; restore
 cut dmuon_titan/state_dict.py "    optimizer.step_graph.wait()  # (a step in flight still writes its state)" ""
