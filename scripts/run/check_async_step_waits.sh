@@ -19,7 +19,11 @@ cut dmuon_titan/runtime/state.py "        if self.direct:
             self.wait_for_step()
             return" "        if self.direct:
             return"
-run "forwards do not wait (must fail)"; restore
+cut dmuon_titan/runtime/state.py "        if self.direct:
+            self.wait_for_step()
+            # (an owed" "        if self.direct:
+            # (an owed"
+run "forwards do not wait, the root's nor the boundaries' (must fail)"; restore
 cut dmuon_titan/muon.py "        if not set_to_none:
             self.step_graph.wait()
 " ""
