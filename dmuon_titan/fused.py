@@ -45,9 +45,13 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp32 math is 
 
 
 def _fusable(first: Tensor, *others: Tensor, contiguous_others: bool = True) -> bool:
+    return enabled() and _tensors_fusable(first, *others, contiguous_others=contiguous_others)
+
+
+def _tensors_fusable(first: Tensor, *others: Tensor, contiguous_others: bool = True) -> bool:
+    """:func:`_fusable` without the environment (asked once for many tensors)."""
     return (
-        enabled()
-        and first.is_cuda
+        first.is_cuda
         and first.is_contiguous()
         and first.dtype in _KERNEL_DTYPES
         and all(
@@ -66,22 +70,12 @@ def momentum_all_fusable(
     """Whether :func:`momentum_direction_into` runs every pair of ``grads`` and ``buffers``
     into an output of ``out_dtype`` by a kernel (and so may read each gradient through
     ``grad_address``). Asked every step for every matrix: the environment and ``out_dtype``
-    are read once, and each tensor's attributes once."""
-    if not enabled() or out_dtype not in _KERNEL_DTYPES:
-        return False
-    dtypes = _KERNEL_DTYPES
-    for grad, buffer in zip(grads, buffers, strict=True):
-        if not (
-            buffer.is_cuda
-            and buffer.dtype in dtypes
-            and grad.dtype in dtypes
-            and buffer.is_contiguous()
-            and grad.is_contiguous()
-            and grad.shape == buffer.shape
-            and grad.device == buffer.device
-        ):
-            return False
-    return True
+    are read once."""
+    return (
+        enabled()
+        and out_dtype in _KERNEL_DTYPES
+        and all(_tensors_fusable(buffer, grad) for grad, buffer in zip(grads, buffers, strict=True))
+    )
 
 
 def _capturing() -> bool:
