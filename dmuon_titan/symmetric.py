@@ -7,11 +7,14 @@ Triton kernel below where it runs, else row panels of ordinary matmuls.
 cuBLAS has no half-precision SYRK, and cutting the
 product into row panels of ordinary matmuls (:func:`_symmetric_matmul_panels`) saves only
 (panels − 1)/(2·panels) of the FLOPs, in smaller matmuls that fill the GPU worse, and then
-copies the lower blocks from their transposed mirror images. The Triton kernel here launches
-one program per upper-triangular output tile (i ≤ j): it accumulates A[i]·B[:, j] in fp32,
-applies ``alpha``, ``beta·addend``, ``diagonal·I`` and a per-matrix ``scale``, and stores the
-tile at (i, j) and its transpose at (j, i) — half the FLOPs of the full product, no second
-pass over memory.
+copies the lower blocks from their transposed mirror images. The Triton kernel here computes
+each upper-triangular output tile {i, j} once, two tiles of one tile row per program (a
+128×256 block: it loads a third less per FLOP than a 128×128 one, which on products with an
+inner size of 1024 is what bounds the rate; docs/benchmarks.md, eighteenth session). It
+accumulates in fp32, applies ``alpha``, ``beta·addend``, ``diagonal·I`` and a per-matrix
+``scale``, and stores each tile at (i, j) and its transpose at (j, i) — half the FLOPs of
+the full product, no second pass over memory. A tile may be computed as its own mirror
+image (C[j, i] = C[i, j]ᵀ), which is how every program gets two (:func:`program_tiles`).
 
 :func:`supported` says whether the kernel runs (not without Triton, not off CUDA, only
 bf16/fp16, sizes multiples of the tile, not under ``DMUON_FUSED=0``); where it does not, the
@@ -29,7 +32,8 @@ triton = fused.triton
 if triton is not None:
     import triton.language as tl
 
-#: Output tile side (square: a tile's mirror image is a tile) and the K step.
+#: Output tile side (square: a tile's mirror image is a tile; a program computes two) and
+#: the K step.
 TILE = 128
 TILE_K = 64
 
@@ -134,6 +138,39 @@ def _symmetric_matmul_panels(
     return out
 
 
+def programs(tiles: int) -> int:
+    """Programs per matrix of the kernel on a ``tiles``×``tiles`` grid of tiles: each one
+    computes a tile row's two tiles (:func:`program_tiles`), so about half the
+    tiles(tiles + 1)/2 upper tiles."""
+    leftover = (tiles + 1) // 2  # tile rows of odd length hand their last tile over
+    return (tiles // 2) * ((tiles + 1) // 2) + (leftover + 1) // 2
+
+
+def program_tiles(pid: int, tiles: int) -> tuple[int, int, int, bool]:
+    """(row, column, column, second stored) of program ``pid``: the kernel's arithmetic in
+    Python, for tests and for reading it.
+
+    Upper tile row i holds tiles i … T−1, s = T − i of them; its programs take them two by
+    two, ``floor(s / 2)`` programs. Programs run row by row from the top, left to right
+    (measured faster than from the bottom on 4096-row products, eighteenth session); counted
+    from the last of them, q = main − 1 − pid, the rows shorter than s hold
+    F(s − 1) = ⌊(s − 1)/2⌋·⌈(s − 1)/2⌉ programs, so s follows from √q. A row of odd length
+    leaves its last tile (i, T−1); those tiles, as their mirror images (T−1, i), share tile
+    row T−1 and pair up in the programs after the main ones (one alone if their number is
+    odd)."""
+    main = (tiles // 2) * ((tiles + 1) // 2)
+    if pid >= main:
+        first = tiles - 1 - 4 * (pid - main)
+        return tiles - 1, first, first - 2 if first >= 2 else first, first >= 2
+    q = main - 1 - pid
+    m = int(q**0.5)
+    m = m + 1 if (m + 1) ** 2 <= q else m - 1 if m * m > q else m
+    s = 2 * m + 1 if q < m * (m + 1) else 2 * m + 2
+    p = s // 2 - 1 - (q - ((s - 1) // 2) * (s // 2))
+    row = tiles - s
+    return row, row + 2 * p, row + 2 * p + 1, True
+
+
 def symmetric_mm(
     a: Tensor,
     b: Tensor,
@@ -163,7 +200,7 @@ def symmetric_mm(
         out if addend is None else (addend if batched else addend.unsqueeze(0)).expand(batch, m, m)
     )
     tiles = m // tile
-    grid = (tiles * (tiles + 1) // 2, batch)
+    grid = (programs(tiles), batch)
     scales = (  # one float32 per matrix, contiguous (the kernel reads scale_ptr + batch)
         out
         if scale is None
@@ -179,6 +216,7 @@ def symmetric_mm(
         *b3.stride(),
         *out.stride(),
         *add3.stride(),
+        tiles,
         float(alpha),
         float(beta),
         float(diagonal),
@@ -215,6 +253,7 @@ if triton is not None:
         d_sb,
         d_sm,
         d_sn,
+        tiles,
         alpha,
         beta,
         diagonal,
@@ -225,19 +264,31 @@ if triton is not None:
         TILE_K: tl.constexpr,
         K: tl.constexpr,  # compiled per inner size (few): a constant trip count pipelines
     ):
-        # Upper-triangular tiles numbered column by column: pid = j(j+1)/2 + i, i <= j.
+        # Program pid's tile row and two column tiles: program_tiles, in Python.
         pid = tl.program_id(0)
         batch = tl.program_id(1).to(tl.int64)
-        j = ((tl.sqrt(8.0 * pid + 1.0) - 1.0) * 0.5).to(tl.int32)
-        j = tl.where((j + 1) * (j + 2) // 2 <= pid, j + 1, j)  # float rounding, either way
-        j = tl.where(j * (j + 1) // 2 > pid, j - 1, j)
-        i = pid - j * (j + 1) // 2
-        rows = i * TILE + tl.arange(0, TILE)
-        cols = j * TILE + tl.arange(0, TILE)
+        main = (tiles // 2) * ((tiles + 1) // 2)
+        q = tl.maximum(main - 1 - pid, 0)  # (the leftover programs: any row, replaced below)
+        m = tl.sqrt(q.to(tl.float32)).to(tl.int32)
+        m = tl.where((m + 1) * (m + 1) <= q, m + 1, m)  # float rounding, either way
+        m = tl.where(m * m > q, m - 1, m)
+        s = tl.where(q < m * (m + 1), 2 * m + 1, 2 * m + 2)
+        row = tiles - s
+        first = row + 2 * (s // 2 - 1 - (q - ((s - 1) // 2) * (s // 2)))
+        second = first + 1
+        leftover = tiles - 1 - 4 * (pid - main)  # the odd rows' last tiles, mirrored
+        extra = pid >= main
+        row = tl.where(extra, tiles - 1, row)
+        first = tl.where(extra, leftover, first)
+        second = tl.where(extra, tl.where(leftover >= 2, leftover - 2, leftover), second)
+        rows = row * TILE + tl.arange(0, TILE)
+        c = tl.arange(0, 2 * TILE)
+        cols = tl.where(c < TILE, first * TILE + c, second * TILE + c - TILE)
+        col_tile = tl.where(c < TILE, first, second)
         ks = tl.arange(0, TILE_K)
         a_ptrs = a_ptr + batch * a_sb + rows[:, None] * a_sm + ks[None, :] * a_sk
         b_ptrs = b_ptr + batch * b_sb + ks[:, None] * b_sk + cols[None, :] * b_sn
-        acc = tl.zeros((TILE, TILE), dtype=tl.float32)
+        acc = tl.zeros((TILE, 2 * TILE), dtype=tl.float32)
         for _ in range(0, K // TILE_K):
             if IEEE:
                 acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, input_precision="ieee")
@@ -254,6 +305,11 @@ if triton is not None:
             acc = acc * tl.load(scale_ptr + batch)
         out = acc.to(c_ptr.dtype.element_ty)
         c_base = c_ptr + batch * c_sb
-        tl.store(c_base + rows[:, None] * c_sm + cols[None, :] * c_sn, out)
-        if i != j:  # the mirror tile: element (r, c) of this tile is C[c, r]
-            tl.store(c_base + rows[:, None] * c_sn + cols[None, :] * c_sm, out)
+        # the second tile is stored unless it is the first again (a lone leftover); blocks,
+        # not scalars, in the mask: Triton's interpreter rejects a block | scalar bool
+        stored = (c < TILE) | (pid + 0 * c < main) | (leftover + 0 * c >= 2)
+        stored = (rows[:, None] >= 0) & stored[None, :]
+        tl.store(c_base + rows[:, None] * c_sm + cols[None, :] * c_sn, out, mask=stored)
+        # the mirror tile: element (r, c) of a tile off the diagonal is C[c, r]
+        mirror = stored & (col_tile != row)[None, :]
+        tl.store(c_base + rows[:, None] * c_sn + cols[None, :] * c_sm, out, mask=mirror)

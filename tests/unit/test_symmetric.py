@@ -54,6 +54,10 @@ check(symmetric.symmetric_mm(s, s, scale=strided, tile=16, tile_k=16),
       (s.double() @ s.double()) * strided.double()[:, None, None])
 check(symmetric.symmetric_mm(s[0], s[0], scale=torch.tensor(-2.0), tile=16, tile_k=16),
       -2.0 * s[0].double() @ s[0].double())
+# Every layout of programs: tile counts odd and even, with and without a lone leftover.
+for tiles in (1, 2, 3, 4, 5, 6, 8, 9):
+    x = torch.randn(2, 16 * tiles, 16)
+    check(symmetric.symmetric_mm(x, x.mT, tile=16, tile_k=16), x.double() @ x.double().mT)
 print("symmetric ok")
 """
 
@@ -68,6 +72,24 @@ def test_kernel_in_the_triton_interpreter():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "symmetric ok" in result.stdout
+
+
+def test_programs_store_every_tile_once():
+    """The kernel's program layout (:func:`symmetric.program_tiles`): each upper tile {i, j}
+    stored by exactly one program, as (i, j) or as its mirror image (j, i), two per program
+    but at most one lone tile per matrix."""
+    for tiles in range(1, 70):
+        seen: dict[tuple[int, int], int] = {}
+        lone = 0
+        for pid in range(symmetric.programs(tiles)):
+            row, first, second, both = symmetric.program_tiles(pid, tiles)
+            lone += not both
+            for column in (first, second) if both else (first,):
+                assert 0 <= row < tiles and 0 <= column < tiles
+                key = (min(row, column), max(row, column))
+                seen[key] = seen.get(key, 0) + 1
+        assert seen == {(i, j): 1 for i in range(tiles) for j in range(i, tiles)}, tiles
+        assert lone <= 1, tiles
 
 
 def test_cpu_takes_the_fallback():
