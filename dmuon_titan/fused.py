@@ -256,6 +256,7 @@ def momentum_directions_by_table(
     momentum: float,
     nesterov: bool,
     grad_scale: Tensor | None = None,
+    squares: Tensor | None = None,
 ) -> None:
     """:func:`momentum_direction_into` for a batch of same-shape matrices in one launch: matrix
     ``i``'s gradient and momentum buffer (contiguous, of ``grad_dtype`` and ``buffer_dtype``)
@@ -265,7 +266,13 @@ def momentum_directions_by_table(
     of :data:`TABLE_ALIGNMENT` (the caller checks). A captured step's form: the per-matrix
     launches it replaces each pay a launch and a ramp-up, and their gradient loads, through
     an address the compiler knows nothing of, were not vectorized. CUDA and Triton only
-    (:func:`table_passes_run`)."""
+    (:func:`table_passes_run`).
+
+    ``squares``: float32, ``[len(out), ≥ square_parts(rows, cols)]``, zeros; each program
+    writes there the sum of the squares of its directions as ``out``'s dtype rounds them,
+    so that Newton–Schulz's norm needs no pass of its own over ``out``
+    (``newton_schulz.orthogonalize``'s ``squares``). Deterministic: a fixed number of
+    partial sums per matrix, each summed in a fixed order."""
     _check_grad_scale(grad_scale, grad_dtype)
     if out.size(0) > _MAX_GRID_MATRICES:  # (the matrices are a grid dimension)
         for i in range(0, out.size(0), _MAX_GRID_MATRICES):
@@ -279,6 +286,7 @@ def momentum_directions_by_table(
                 momentum,
                 nesterov,
                 grad_scale,
+                None if squares is None else squares[part],
             )
         return
     count, rows, cols = out.shape
@@ -288,7 +296,19 @@ def momentum_directions_by_table(
         GRAD_TYPE=_TL_DTYPES[grad_dtype],
         BUF_TYPE=_TL_DTYPES[buffer_dtype],
         SCALED=scaled,
+        SQUARES=squares is not None,
     )
+    if squares is not None and (
+        squares.dtype != torch.float32
+        or squares.size(0) != count
+        or squares.size(1) < square_parts(rows, cols)
+        or squares.stride(1) != 1
+    ):
+        raise ValueError(
+            f"squares must be float32 [{count}, >= {square_parts(rows, cols)}] with "
+            f"contiguous rows, got {squares.dtype} {tuple(squares.shape)}"
+        )
+    squares_args = (out, 0) if squares is None else (squares, squares.stride(0))
     scale_arg = grad_scale if scaled else grads  # (not read without SCALED)
     weights = (float(1 - momentum), float(momentum))
     if out.stride(2) == 1 and out.stride(1) == cols:
@@ -298,6 +318,7 @@ def momentum_directions_by_table(
             buffers,
             out,
             scale_arg,
+            *squares_args,
             rows * cols,
             out.stride(0),
             *weights,
@@ -311,6 +332,7 @@ def momentum_directions_by_table(
         buffers,
         out,
         scale_arg,
+        *squares_args,
         rows,
         cols,
         out.stride(0),
@@ -320,6 +342,12 @@ def momentum_directions_by_table(
         TILE=_TILE,
         **common,
     )
+
+
+def square_parts(rows: int, cols: int) -> int:
+    """At most this many partial sums of squares per rows×cols matrix from
+    :func:`momentum_directions_by_table` (one per program, of either of its kernels)."""
+    return max(-(-rows * cols // _BLOCK), -(-rows // _TILE) * -(-cols // _TILE))
 
 
 def decay_and_update_by_table(
@@ -550,6 +578,8 @@ if triton is not None:
         buf_table,
         out_ptr,
         scale_ptr,
+        squares_ptr,
+        squares_stride,
         n,
         out_matrix_stride,
         buffer_weight,
@@ -558,6 +588,7 @@ if triton is not None:
         GRAD_TYPE: tl.constexpr,
         BUF_TYPE: tl.constexpr,
         SCALED: tl.constexpr,
+        SQUARES: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # _momentum_kernel for matrix program_id(1) of a batch (its tensors by table).
@@ -576,7 +607,12 @@ if triton is not None:
             SCALED,
         )
         out_ptr += matrix.to(tl.int64) * out_matrix_stride
-        tl.store(out_ptr + offsets, direction.to(out_ptr.dtype.element_ty), mask=mask)
+        direction = direction.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offsets, direction, mask=mask)
+        if SQUARES:  # (masked lanes: 0)
+            square = direction.to(tl.float32) * direction.to(tl.float32)
+            part = squares_ptr + matrix.to(tl.int64) * squares_stride + tl.program_id(0)
+            tl.store(part, tl.sum(tl.where(mask, square, 0.0), axis=0))
 
     @triton.jit
     def _momentum_table_kernel_2d(
@@ -584,6 +620,8 @@ if triton is not None:
         buf_table,
         out_ptr,
         scale_ptr,
+        squares_ptr,
+        squares_stride,
         rows,
         cols,
         out_matrix_stride,
@@ -595,6 +633,7 @@ if triton is not None:
         GRAD_TYPE: tl.constexpr,
         BUF_TYPE: tl.constexpr,
         SCALED: tl.constexpr,
+        SQUARES: tl.constexpr,
         TILE: tl.constexpr,
     ):
         # _momentum_kernel_2d for matrix program_id(2) of a batch (its tensors by table).
@@ -613,7 +652,13 @@ if triton is not None:
         )
         out_ptr += matrix.to(tl.int64) * out_matrix_stride
         out_offsets = r[:, None] * out_row_stride + c[None, :] * out_col_stride
-        tl.store(out_ptr + out_offsets, direction.to(out_ptr.dtype.element_ty), mask=mask)
+        direction = direction.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + out_offsets, direction, mask=mask)
+        if SQUARES:
+            square = tl.where(mask, direction.to(tl.float32) * direction.to(tl.float32), 0.0)
+            program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            part = squares_ptr + matrix.to(tl.int64) * squares_stride + program
+            tl.store(part, tl.sum(tl.sum(square, axis=1), axis=0))
 
     @triton.jit
     def _update_table_kernel(

@@ -526,9 +526,24 @@ class Muon(torch.optim.Optimizer):
             dtype=group["ns_dtype"],
             device=chunk[0].device,
         )
+        squares = None
         if grouped:
             self._grouped_directions(chunk, group, batch.unsqueeze(0) if single else batch)
         elif by_table:
+            # Partial sums of the directions' squares, from the pass that writes them, where
+            # NS folds its normalization: NS then reads no matrix for its norms
+            # (docs/benchmarks.md, eighteenth session).
+            if newton_schulz.uses_squares(
+                layout,
+                self.ns_algorithm,
+                group["ns_steps"],
+                group["eps"],
+                batch.dtype,
+                batch.device,
+            ):
+                parts = fused.square_parts(*layout)
+                squares = torch.zeros(len(chunk), parts, dtype=torch.float32, device=batch.device)
+            start = 0
             for run, directions in _runs(chunk, batch):
                 rows_of_run = scalars.table_rows(run)
                 float32 = run[0].grad.dtype == torch.float32
@@ -541,7 +556,9 @@ class Muon(torch.optim.Optimizer):
                     group["momentum"],
                     group["nesterov"],
                     scalars.grad_scale if float32 else None,
+                    None if squares is None else squares[start : start + len(run)],
                 )
+                start += len(run)
         else:
             for i, p in enumerate(chunk):
                 slot = scale = None
@@ -553,7 +570,7 @@ class Muon(torch.optim.Optimizer):
         timed = scalars is None  # (no events inside a captured graph)
         if timed:
             self.timer.start("ns")
-        orthos = newton_schulz.orthogonalize(batch, *args, overwrite_input=True)
+        orthos = newton_schulz.orthogonalize(batch, *args, overwrite_input=True, squares=squares)
         if timed:
             self.timer.stop("ns")
         return orthos

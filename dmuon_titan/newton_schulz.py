@@ -121,6 +121,7 @@ def zeropower_via_newtonschulz(
     symmetric_kernel: bool = False,
     polynomial_form: bool = False,
     fold_normalization: bool = False,
+    squares: Tensor | None = None,
 ) -> Tensor:
     """Approximate the orthogonal polar factor of ``matrix`` (2-D, or a batch of same-shape 3-D).
 
@@ -141,13 +142,14 @@ def zeropower_via_newtonschulz(
     first iteration takes X as it is and scales its two symmetric products instead, A by
     1/‖X‖² and P by 1/‖X‖ (:func:`inverse_norms`), so P·X is the first iteration's result
     (where it is safe, :func:`_folds`). Both flags act on the panels/kernel route only; the
-    other one is always torch.optim.Muon's operations.
+    other one is always torch.optim.Muon's operations. ``squares``: see :func:`orthogonalize`.
     """
     if fold_normalization and not polynomial_form:
         raise ValueError("fold_normalization needs polynomial_form (X <- P X)")
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
     if symmetric_panels > 1 or symmetric_kernel:
-        inverse = _normalize_or_fold(x, eps, fold_normalization and _folds(dtype, eps, ns_steps))
+        fold = fold_normalization and _folds(dtype, eps, ns_steps)
+        inverse = _normalize_or_fold(x, eps, fold, _usable(squares, matrix, dtype))
         sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}
         for i in range(ns_steps):
             a, b, c = coefficients[min(i, len(coefficients) - 1)]
@@ -188,6 +190,12 @@ def _polynomial(
     )
 
 
+def _usable(squares: Tensor | None, matrix: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """``squares`` where they are the squares NS would sum: ``matrix``'s own entries, not
+    rounded again by a cast to ``dtype``."""
+    return squares if squares is not None and matrix.dtype == dtype else None
+
+
 #: the smallest ``eps`` the fold takes: 1/eps² must stay within float32
 FOLD_MIN_EPS = 1e-15
 
@@ -200,21 +208,29 @@ def _folds(dtype: torch.dtype, eps: float, ns_steps: int) -> bool:
     return dtype != torch.float16 and eps >= FOLD_MIN_EPS and ns_steps > 0
 
 
-def _normalize_or_fold(x: Tensor, eps: float, fold: bool) -> Tensor | None:
+def _normalize_or_fold(
+    x: Tensor, eps: float, fold: bool, squares: Tensor | None = None
+) -> Tensor | None:
     """NS's normalization of ``x``: with ``fold``, :func:`inverse_norms` for the first products
-    to scale by (``x`` unchanged); otherwise ``x`` divided by its norm in place, and None."""
+    to scale by (``x`` unchanged; from ``squares`` if given); otherwise ``x`` divided by its
+    norm in place, and None."""
     if fold:
-        return inverse_norms(x, eps)
+        return inverse_norms(x, eps, squares)
     divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))
     return None
 
 
-def inverse_norms(x: Tensor, eps: float) -> Tensor:
+def inverse_norms(x: Tensor, eps: float, squares: Tensor | None = None) -> Tensor:
     """1 / ‖x‖_F per matrix (the norm rounded to ``x``'s dtype and clamped at ``eps``, as the
     division NS normalizes by), in float32 (float64 for float64 ``x``), of shape
-    ``x.shape[:-2]``."""
-    norm = torch.linalg.matrix_norm(x).clamp(min=eps)
-    return norm.to(torch.promote_types(x.dtype, torch.float32)).reciprocal()
+    ``x.shape[:-2]``. ``squares``: partial sums of the squares of ``x``'s entries, float32,
+    one row per matrix (:func:`orthogonalize`); the norm is then their sum's root, and ``x``
+    is not read."""
+    if squares is None:
+        norm = torch.linalg.matrix_norm(x)
+    else:
+        norm = squares.sum(dim=-1).sqrt().reshape(x.shape[:-2]).to(x.dtype)
+    return norm.clamp(min=eps).to(torch.promote_types(x.dtype, torch.float32)).reciprocal()
 
 
 #: Gram NS computes its symmetric products in this many row panels (``symmetric_matmul``)
@@ -235,6 +251,7 @@ def gram_newton_schulz(
     overwrite_input: bool = False,
     symmetric_kernel: bool = False,
     fold_normalization: bool = False,
+    squares: Tensor | None = None,
 ) -> Tensor:
     """The same polynomial iteration as :func:`zeropower_via_newtonschulz`, run on the Gram
     matrix: equal in exact arithmetic, fewer FLOPs when one side is much longer.
@@ -251,10 +268,11 @@ def gram_newton_schulz(
     unless ``overwrite_input`` (then, when already of ``dtype``, it is used as scratch).
     ``fold_normalization``: no pass dividing X by its norm; the first Gram matrix is scaled
     by 1/‖X‖², and the Q that first multiplies X by 1/‖X‖ (:func:`inverse_norms`; where it
-    is safe, :func:`_folds`).
+    is safe, :func:`_folds`). ``squares``: see :func:`orthogonalize`.
     """
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
-    inverse = _normalize_or_fold(x, eps, fold_normalization and _folds(dtype, eps, ns_steps))
+    fold = fold_normalization and _folds(dtype, eps, ns_steps)
+    inverse = _normalize_or_fold(x, eps, fold, _usable(squares, matrix, dtype))
     sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}  # all products but Q·X
     restart_at = {r for r in restarts if 0 < r < ns_steps}
     first_run_end = min(restart_at | {ns_steps}) - 1  # where Q first multiplies X
@@ -277,6 +295,32 @@ def gram_newton_schulz(
     return x.mT if tall else x
 
 
+def _kernel_route(
+    shape: Sequence[int], algorithm: str, dtype: torch.dtype, device: torch.device
+) -> tuple[bool, bool]:
+    """(whether :func:`orthogonalize` runs the symmetric kernel on matrices of ``shape``;
+    whether it takes the polynomial form and the fold too)."""
+    short, long = sorted(shape[-2:])
+    kernel = algorithm != "plain" and symmetric_kernel_runs_for(short, long, dtype, device)
+    # The polynomial form and the fold by the kernel: measured in bfloat16 only (float16
+    # keeps the addend form and never folds, _folds; docs/benchmarks.md, thirteenth session).
+    return kernel, kernel and dtype == torch.bfloat16
+
+
+def uses_squares(
+    shape: Sequence[int],
+    algorithm: str,
+    ns_steps: int,
+    eps: float,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> bool:
+    """Whether :func:`orthogonalize` of ``dtype`` matrices of ``shape`` would take their
+    norms from ``squares`` (it folds the normalization), so that the caller computes them
+    only then."""
+    return _kernel_route(shape, algorithm, dtype, device)[1] and _folds(dtype, eps, ns_steps)
+
+
 def orthogonalize(
     matrix: Tensor,
     coefficients: Sequence[Coefficients],
@@ -285,6 +329,7 @@ def orthogonalize(
     dtype: torch.dtype = torch.bfloat16,
     algorithm: str = "plain",
     overwrite_input: bool = False,
+    squares: Tensor | None = None,
 ) -> Tensor:
     """Newton–Schulz by ``algorithm`` (see :data:`NS_ALGORITHMS`; ``"auto"`` decides by the
     matrix's last two dimensions).
@@ -295,13 +340,15 @@ def orthogonalize(
     elsewhere Gram NS cuts them into row panels on large matrices
     (:data:`SYMMETRIC_PANELS_MIN_SIDE`) and plain NS is torch.optim.Muon's. In bfloat16, plain
     NS by the kernel runs each iteration as X ← P·X (``polynomial_form``), and both, by the
-    kernel, fold the normalization into the first products (``fold_normalization``)."""
+    kernel, fold the normalization into the first products (``fold_normalization``).
+
+    ``squares`` (float32, one row per matrix: partial sums of the squares of ``matrix``'s
+    entries, as ``fused.momentum_directions_by_table`` writes them): where the normalization
+    is folded and ``matrix`` is already of ``dtype``, its norm is their sum's root instead
+    of a pass over the matrix; elsewhere they are not used."""
     choice = ns_algorithm_for(matrix.shape[-2:], algorithm, ns_steps)
     short, long = sorted(matrix.shape[-2:])
-    kernel = algorithm != "plain" and symmetric_kernel_runs_for(short, long, dtype, matrix.device)
-    # The polynomial form and the fold by the kernel: measured in bfloat16 only (float16
-    # keeps the addend form and never folds, _folds; docs/benchmarks.md, thirteenth session).
-    measured = kernel and dtype == torch.bfloat16
+    kernel, measured = _kernel_route(matrix.shape, algorithm, dtype, matrix.device)
     if choice == "gram":
         panels = SYMMETRIC_PANELS if short >= SYMMETRIC_PANELS_MIN_SIDE else 1
         return gram_newton_schulz(
@@ -314,6 +361,7 @@ def orthogonalize(
             overwrite_input=overwrite_input,
             symmetric_kernel=kernel,
             fold_normalization=measured,
+            squares=squares,
         )
     # Plain NS without panels: they measured slower on its shapes (docs/benchmarks.md, "Measurements behind code choices").
     # With the kernel as X ← P·X: no copy of X into each iteration's last product, and no
@@ -328,6 +376,7 @@ def orthogonalize(
         symmetric_kernel=kernel,
         polynomial_form=measured,
         fold_normalization=measured,
+        squares=squares,
     )
 
 

@@ -347,11 +347,18 @@ for transposed, scale, grid_limit in [
                 BY_ADDRESS=False, GRAD_TYPE=None, SCALED=scale is not None, TILE=fused._TILE,
             )
         buf_table = torch.tensor([b.data_ptr() for b in batched], dtype=torch.int64)
+        squares = torch.zeros(3, fused.square_parts(70, 130) + 1)  # (more than needed: zeros)
         fused.momentum_directions_by_table(
-            grad_table, buf_table, outs[1], torch.float32, torch.float32, 0.95, True, scale
+            grad_table, buf_table, outs[1], torch.float32, torch.float32, 0.95, True, scale,
+            squares,
         )
         assert all(torch.equal(x, y) for x, y in zip(own, batched)), (transposed, scale, grid_limit)
         assert torch.equal(outs[0], outs[1]) and not torch.equal(own[0], bufs[0])
+        # the partial sums of squares: of the directions as stored (bf16), every matrix's
+        torch.testing.assert_close(
+            squares.sum(1), outs[1].float().square().sum((1, 2)), rtol=1e-6, atol=0
+        )
+        assert (squares[:, : fused.square_parts(70, 130) - 1] > 0).all() and (squares[:, -1] == 0).all()
         params = [torch.randn(70, 130) for _ in range(3)]
         expected = [p.clone() for p in params]
         decay, step = torch.tensor(0.99), torch.tensor(0.1)

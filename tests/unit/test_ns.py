@@ -1,5 +1,7 @@
 """Newton–Schulz math against torch.optim.Muon's own implementation."""
 
+import functools
+
 import pytest
 import torch
 from torch.optim import _muon
@@ -474,3 +476,80 @@ def test_muon_float16_step_on_gradient_sized_directions(cpu_mesh):
     for e, h, b in zip(exact, half, brain, strict=True):
         assert torch.isfinite(h).all() and e.norm() > 0
         assert (h - e).norm() < (b - e).norm() / 2
+
+
+def _squares_of(x: torch.Tensor, parts: int = 7) -> torch.Tensor:
+    """Partial sums of squares per matrix, as the momentum pass writes them (float32; float64
+    for float64 ``x``)."""
+    flat = (
+        x.to(torch.promote_types(x.dtype, torch.float32))
+        .reshape(-1, x.shape[-2] * x.shape[-1])
+        .square()
+    )
+    return torch.stack([c.sum(1) for c in flat.chunk(parts, dim=1)], dim=1)
+
+
+@pytest.mark.parametrize("shape", [(40, 40), (3, 24, 80), (2, 80, 24)])
+def test_inverse_norms_from_squares(shape):
+    """The norm from partial sums of squares: the matrix norm's, rounded to the matrix's
+    dtype, clamped at eps; a zero matrix's is 1/eps."""
+    torch.manual_seed(0)
+    x = torch.randn(shape).to(torch.bfloat16)
+    from_squares = newton_schulz.inverse_norms(x, 1e-7, _squares_of(x))
+    assert from_squares.shape == x.shape[:-2] and from_squares.dtype == torch.float32
+    torch.testing.assert_close(from_squares, newton_schulz.inverse_norms(x, 1e-7), rtol=0, atol=0)
+    zero = torch.zeros(shape, dtype=torch.bfloat16)
+    got = newton_schulz.inverse_norms(zero, 1e-3, _squares_of(zero))
+    torch.testing.assert_close(got, torch.full(x.shape[:-2], 1e3), rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("algorithm", ["plain", "gram"])
+def test_folded_ns_takes_its_norm_from_squares(algorithm):
+    """With the fold, NS's norm comes from ``squares`` when given (wrong ones change the
+    result), and only for a matrix already of NS's dtype (a cast would round it again)."""
+    g = torch.randn(2, 24, 80, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    coeffs = (newton_schulz.JORDAN_COEFFICIENTS,)
+    if algorithm == "plain":
+        ns = functools.partial(
+            newton_schulz.zeropower_via_newtonschulz, symmetric_panels=2, polynomial_form=True
+        )
+    else:
+        ns = functools.partial(newton_schulz.gram_newton_schulz, restarts=(2,))
+    args = (coeffs, 5, 1e-7, torch.float64)
+    exact = ns(g, *args, fold_normalization=True)
+    squares = _squares_of(g)
+    torch.testing.assert_close(
+        ns(g, *args, fold_normalization=True, squares=squares), exact, rtol=0, atol=1e-12
+    )
+    wrong = ns(g, *args, fold_normalization=True, squares=4 * squares)
+    assert (wrong - exact).abs().max() > 1e-3
+    as_float32 = ns(g.float(), *args, fold_normalization=True, squares=4 * squares)
+    torch.testing.assert_close(as_float32, exact, rtol=0, atol=1e-5)  # (ignored: a cast)
+
+
+def test_squares_are_asked_for_only_where_ns_folds():
+    cpu = torch.device("cpu")
+    assert not newton_schulz.uses_squares((1024, 1024), "auto", 5, 1e-7, torch.bfloat16, cpu)
+    if torch.cuda.is_available() and newton_schulz.symmetric_kernel_runs_for(
+        1024, 1024, torch.bfloat16, torch.device("cuda")
+    ):
+        cuda = torch.device("cuda")
+        assert newton_schulz.uses_squares((1024, 2816), "auto", 5, 1e-7, torch.bfloat16, cuda)
+        assert not newton_schulz.uses_squares((1024, 1024), "plain", 5, 1e-7, torch.bfloat16, cuda)
+        assert not newton_schulz.uses_squares((1024, 1024), "auto", 5, 1e-7, torch.float16, cuda)
+        assert not newton_schulz.uses_squares((1000, 1024), "auto", 5, 1e-7, torch.bfloat16, cuda)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(4, 1024, 1024), (3, 512, 1536), (1024, 1024)])
+def test_ns_on_the_kernel_route_with_squares_is_ns_without(shape):
+    """On the GPU route that folds (bf16, the symmetric kernel), NS given the squares of
+    its input equals NS computing the norm itself (the same bf16 norm, up to fp32 order)."""
+    torch.manual_seed(0)
+    x = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    args = ((newton_schulz.JORDAN_COEFFICIENTS,), 5, 1e-7, torch.bfloat16, "auto")
+    assert newton_schulz.uses_squares(x.shape, "auto", 5, 1e-7, torch.bfloat16, x.device)
+    with_squares = newton_schulz.orthogonalize(x, *args, squares=_squares_of(x))
+    without = newton_schulz.orthogonalize(x, *args)
+    torch.testing.assert_close(with_squares.float(), without.float(), rtol=0, atol=2e-2)
+    assert (with_squares != without).float().mean() < 0.01

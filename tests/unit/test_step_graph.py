@@ -145,6 +145,29 @@ for adjust, kind in cases:
     else:  # a gradient of the FFN chunk misaligned from step 2 on: that chunk per matrix
         assert record.captures == 2 and record.replays == 3, kind
         assert batched == every_step * 2 + every_step[:2] * 2, batched
+    if adjust == "original" and not kind:
+        plain_tables = by_table
+# The partial sums of squares for NS's norm (asked for where NS folds, which on CPU it does
+# not: asked for here by a stand-in), one row per matrix across the chunk's runs: each row
+# sums to the squares of that matrix's direction as NS receives it; NS ignores them here.
+from dmuon_titan import newton_schulz
+checked = []
+orthogonalize = newton_schulz.orthogonalize
+
+def checking(batch, *args, squares=None, **kwargs):
+    if squares is not None:
+        want = batch.double().square().sum((-2, -1)).reshape(-1)
+        checked.append(torch.allclose(squares.double().sum(1), want, rtol=1e-6, atol=0))
+    return orthogonalize(batch, *args, squares=squares, **kwargs)
+
+with (
+    mock.patch.object(fused, "table_passes_run", on_cpu),
+    mock.patch.object(newton_schulz, "uses_squares", lambda *a: True),
+    mock.patch.object(newton_schulz, "orthogonalize", checking),
+):
+    with_squares, _ = _train(mesh, True, dtype=torch.float32, adjust_lr_fn="original")
+assert len(checked) == 12 and all(checked), checked  # 3 chunks a step (one of two runs), 4 steps
+assert all(torch.equal(with_squares[k], plain_tables[k]) for k in plain_tables)
 print("tables ok")
 """
 
@@ -172,7 +195,7 @@ def test_captured_step_by_table_passes_in_the_triton_interpreter():
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "tables ok" in result.stdout
+    assert "tables ok" in result.stdout, result.stdout
 
 
 def test_moved_gradients_recapture_then_give_up(cpu_mesh):
