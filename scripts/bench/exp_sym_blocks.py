@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Experiment: the symmetric kernel with two or four 128-blocks per program.
 
-The shipped kernel (``symmetric._symmetric_mm_kernel``) computes one 128×128 upper tile per
-program. On the 170M products (rows 1024, inner 1024) it runs at 420–475 TFLOP/s on the
-FLOPs it executes, cuBLAS's full products at 725–755 (docs/benchmarks.md, sixteenth
-session). A 128×128 tile with a K step of 64 loads 32 KB per 2.1 MFLOP: 64 FLOP per byte,
-which at ≈ 7 TB/s from L2 is ≈ 450 TFLOP/s. Wider programs load less per FLOP: 128×256
-(85 FLOP/B) and 256×256 (128 FLOP/B).
+Up to 4c51761 the kernel (``symmetric._symmetric_mm_kernel``) computed one 128×128 upper
+tile per program; on the 170M products (rows 1024, inner 1024) it ran at 420–475 TFLOP/s on
+the FLOPs it executes, cuBLAS's full products at 725–755 (docs/benchmarks.md, sixteenth
+session). A 128×128 tile with a K step of 64 loads 32 KB per 2.1 MFLOP (64 FLOP per byte);
+wider programs load less per FLOP: 128×256 (85 FLOP/B) and 256×256 (128 FLOP/B). This
+script measured the variants below against that kernel (kept here as ``previous_mm``); the
+pairs won and are the shipped kernel since abb3bf6, its layout computed from the program id
+(docs/benchmarks.md, eighteenth session).
 
 The fifth round tried 128×256 programs (``exp_sym_tma.py`` at 724ad04), pairing the column
 tiles j, j+1 from the diagonal on: a tenth of their FLOPs fell outside the matrix and was
