@@ -138,12 +138,17 @@ def _symmetric_matmul_panels(
     return out
 
 
+def _row_programs(tiles: int) -> int:
+    """Programs that pair tiles within their own tile row (:func:`program_tiles`)."""
+    return (tiles // 2) * ((tiles + 1) // 2)
+
+
 def programs(tiles: int) -> int:
     """Programs per matrix of the kernel on a ``tiles``×``tiles`` grid of tiles: each one
     computes a tile row's two tiles (:func:`program_tiles`), so about half the
     tiles(tiles + 1)/2 upper tiles."""
     leftover = (tiles + 1) // 2  # tile rows of odd length hand their last tile over
-    return (tiles // 2) * ((tiles + 1) // 2) + (leftover + 1) // 2
+    return _row_programs(tiles) + (leftover + 1) // 2
 
 
 def program_tiles(pid: int, tiles: int) -> tuple[int, int, int, bool]:
@@ -158,7 +163,7 @@ def program_tiles(pid: int, tiles: int) -> tuple[int, int, int, bool]:
     leaves its last tile (i, T−1); those tiles, as their mirror images (T−1, i), share tile
     row T−1 and pair up in the programs after the main ones (one alone if their number is
     odd)."""
-    main = (tiles // 2) * ((tiles + 1) // 2)
+    main = _row_programs(tiles)
     if pid >= main:
         first = tiles - 1 - 4 * (pid - main)
         return tiles - 1, first, first - 2 if first >= 2 else first, first >= 2
@@ -192,21 +197,10 @@ def symmetric_mm(
     program computes two: ``tile`` × 2·``tile``) and launch arguments are for benchmarks and
     tests (which run it in float32 in Triton's
     interpreter: ``float32`` inputs use IEEE fp32 dots, not TF32)."""
-    batched = a.ndim == 3
-    a3 = a if batched else a.unsqueeze(0)
-    b3 = b if batched else b.unsqueeze(0)
+    a3, b3, out, add3, scales = kernel_operands(a, b, addend, scale)
     batch, m, k = a3.shape
-    out = a3.new_empty((batch, m, m))
-    add3 = (
-        out if addend is None else (addend if batched else addend.unsqueeze(0)).expand(batch, m, m)
-    )
     tiles = m // tile
     grid = (programs(tiles), batch)
-    scales = (  # one float32 per matrix, contiguous (the kernel reads scale_ptr + batch)
-        out
-        if scale is None
-        else scale.to(device=out.device, dtype=torch.float32).reshape(-1).expand(batch).contiguous()
-    )
     _symmetric_mm_kernel[grid](
         a3,
         b3,
@@ -230,7 +224,29 @@ def symmetric_mm(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return out if batched else out.squeeze(0)
+    return out if a.ndim == 3 else out.squeeze(0)
+
+
+def kernel_operands(
+    a: Tensor, b: Tensor, addend: Tensor | None, scale: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(a, b as 3-D batches, the new output batch, the addend expanded to it, one float32
+    scale per matrix, contiguous) for a kernel of :func:`symmetric_mm`'s contract; without an
+    addend or a scale, the output stands in (a pointer the kernel does not read)."""
+    batched = a.ndim == 3
+    a3 = a if batched else a.unsqueeze(0)
+    b3 = b if batched else b.unsqueeze(0)
+    batch, m, _ = a3.shape
+    out = a3.new_empty((batch, m, m))
+    add3 = (
+        out if addend is None else (addend if batched else addend.unsqueeze(0)).expand(batch, m, m)
+    )
+    scales = (  # the kernel reads scale_ptr + batch
+        out
+        if scale is None
+        else scale.to(device=out.device, dtype=torch.float32).reshape(-1).expand(batch).contiguous()
+    )
+    return a3, b3, out, add3, scales
 
 
 if triton is not None:

@@ -169,19 +169,8 @@ def block_mm(
     kind="pairs", tile=128, tile_k=64, num_warps=8, num_stages=3,
 ):  # fmt: skip
     """``symmetric.symmetric_mm``'s contract by the block kernel of ``kind``."""
-    batched = a.ndim == 3
-    a3 = a if batched else a.unsqueeze(0)
-    b3 = b if batched else b.unsqueeze(0)
+    a3, b3, out, add3, scales = symmetric.kernel_operands(a, b, addend, scale)
     batch, m, k = a3.shape
-    out = a3.new_empty((batch, m, m))
-    add3 = (
-        out if addend is None else (addend if batched else addend.unsqueeze(0)).expand(batch, m, m)
-    )
-    scales = (
-        out
-        if scale is None
-        else scale.to(device=out.device, dtype=torch.float32).reshape(-1).expand(batch).contiguous()
-    )
     entries = table(kind, m // tile, a.device)
     rb, cb = (1, 2) if kind == "pairs" else (2, 2)
     _block_kernel[(entries.numel() // 5, batch)](
@@ -192,7 +181,7 @@ def block_mm(
         IEEE=a.dtype == torch.float32, TILE=tile, TILE_K=tile_k, K=k,
         ROW_BLOCKS=rb, COL_BLOCKS=cb, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return out if batched else out.squeeze(0)
+    return out if a.ndim == 3 else out.squeeze(0)
 
 
 @triton.jit
@@ -235,19 +224,8 @@ def _previous_kernel(
 
 
 def previous_mm(a, b, *, addend=None, alpha=1.0, beta=1.0, diagonal=0.0, scale=None):
-    batched = a.ndim == 3
-    a3 = a if batched else a.unsqueeze(0)
-    b3 = b if batched else b.unsqueeze(0)
+    a3, b3, out, add3, scales = symmetric.kernel_operands(a, b, addend, scale)
     batch, m, k = a3.shape
-    out = a3.new_empty((batch, m, m))
-    add3 = (
-        out if addend is None else (addend if batched else addend.unsqueeze(0)).expand(batch, m, m)
-    )
-    scales = (
-        out
-        if scale is None
-        else scale.to(device=out.device, dtype=torch.float32).reshape(-1).expand(batch).contiguous()
-    )
     tiles = m // 128
     _previous_kernel[(tiles * (tiles + 1) // 2, batch)](
         a3, b3, out, add3, scales,
@@ -256,7 +234,7 @@ def previous_mm(a, b, *, addend=None, alpha=1.0, beta=1.0, diagonal=0.0, scale=N
         HAS_ADDEND=addend is not None, HAS_SCALE=scale is not None, TILE=128, TILE_K=64, K=k,
         num_warps=8, num_stages=4,
     )  # fmt: skip
-    return out if batched else out.squeeze(0)
+    return out if a.ndim == 3 else out.squeeze(0)
 
 
 VARIANTS = {  # name: the function in symmetric_mm's place
