@@ -27,6 +27,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from finish import end_distributed_run  # (this directory: the script's own on sys.path)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -150,7 +151,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "ns": rates}, f, indent=1)
-    dist.destroy_process_group()
+    end_distributed_run()
 
 
 if __name__ == "__main__":

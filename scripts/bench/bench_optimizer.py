@@ -68,6 +68,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from finish import end_distributed_run  # (this directory: the script's own on sys.path)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -460,7 +461,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"model": args.model, "world": world, "rows": rows}, f, indent=1)
-    dist.destroy_process_group()
+    end_distributed_run()
 
 
 if __name__ == "__main__":

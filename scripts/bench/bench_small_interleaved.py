@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_optimizer import clip  # (this directory: the script's own on sys.path)
+from finish import end_distributed_run  # (this directory: the script's own on sys.path)
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_titan as dmuon
@@ -411,7 +412,7 @@ def main() -> None:
                 f"({v}'s graph: {record.captures} capture(s), {record.replays} replays, "
                 f"given up: {record.disabled})"
             )
-    dist.destroy_process_group()
+    end_distributed_run()
 
 
 if __name__ == "__main__":
