@@ -79,13 +79,20 @@ def graph_median_milliseconds(
     warmup: int,
     reps: int,
     calls: int = 10,
+    cool_ms: float = 0.0,
 ) -> float:
     """GPU milliseconds per call of ``fn`` with no host time in them (benchmarks of kernels
     shorter than their launch): ``calls`` calls captured in one CUDA graph, the graph
     replayed ``reps`` times, the median replay divided by ``calls``. Per-call events
     (:func:`median_milliseconds`) count the host's launch of each call too, which for
     sub-millisecond kernels is a share of the time that differs from launcher to launcher
-    (docs/benchmarks.md, fourteenth session). Off CUDA: :func:`median_milliseconds`."""
+    (docs/benchmarks.md, fourteenth session). Off CUDA: :func:`median_milliseconds`.
+
+    ``cool_ms``: before each timed replay the GPU spins one thread for about that long
+    (``torch.cuda._sleep``: busy, so its clock stays up, at little power). Replays back to
+    back hold an H200 at its power cap, its clock down to 1140 MHz, where a 170M model's
+    training step runs its Newton–Schulz at 1980 MHz (docs/benchmarks.md, nineteenth
+    session): spaced out, the replays run as they do there."""
     if torch.device(device).type != "cuda":
         return median_milliseconds(fn, device, warmup, reps)
     for _ in range(warmup):  # (compiles, allocates, loads the kernels: not in the capture)
@@ -98,14 +105,37 @@ def graph_median_milliseconds(
             fn()
     graph.replay()
     times = []
+    spin = _sleep_cycles(cool_ms, device) if cool_ms > 0 else 0
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if spin:
+            torch.cuda._sleep(spin)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
+
+
+_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def _sleep_cycles(ms: float, device: torch.device | str) -> int:
+    """``torch.cuda._sleep`` cycles that take about ``ms`` milliseconds on ``device``
+    (measured once per device)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _CYCLES_PER_MS:
+        probe = 10_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(probe)  # (the first call loads the kernel)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_MS[index] = probe / max(start.elapsed_time(end), 1e-3)
+    return int(ms * _CYCLES_PER_MS[index])
 
 
 def gpu_busy_milliseconds(fn: Callable[[], object], device: torch.device | str) -> float:

@@ -9,8 +9,11 @@ on the step's stream (gaps between its kernels: host launch latency, or waits), 
 time by kind — the symmetric-product kernel, cuBLAS/CUTLASS matmuls, the fused elementwise
 kernels, runtime memcpys/memsets, everything else. Comparing two traces (e.g. torchtitan's and bench_optimizer's)
 tells slower kernels (clocks, data) apart from a starved stream (host overhead).
+``--per-step``: for a trace of several steps, medians per step by kind of kernel and launch
+grid (the symmetric kernel's and the matmuls' grids tell the NS batches apart).
 
     python3 scripts/analysis/trace_summary.py TRACE.json [TRACE2.json ...]   # .json or .json.gz
+    python3 scripts/analysis/trace_summary.py --per-step dmuon_auto.json.gz
 
 Traces: torchtitan ``--profiling.enable_profiling`` (``profile_traces/iteration_N/``),
 ``scripts/bench/bench_optimizer.py --profile DIR``.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import statistics
 from collections import defaultdict
 
 KINDS = (  # (kind, substrings of the kernel name), first match wins
@@ -155,6 +159,54 @@ def summarize(path: str, whole: bool = False, events: list[dict] | None = None) 
     }
 
 
+#: idle time on the step's stream that separates two steps of a multi-step trace
+STEP_GAP_US = 1000.0
+
+
+def per_step(path: str) -> dict:
+    """Medians over the optimizer steps of a trace of several (the step's stream split where
+    it idles over :data:`STEP_GAP_US`): span, busy time, and per kind of kernel its time and
+    launches, the symmetric kernel and the matmuls split by launch grid (one NS batch each,
+    as a rule)."""
+    events = load_events(path)
+    first = summarize(path, False, events)
+    stream = [
+        k
+        for k in load_kernels(path, events)
+        if k.get("args", {}).get("stream") == first["_stream"] and k.get("cat") == "kernel"
+    ]
+    steps: list[list[dict]] = []
+    for k in stream:
+        if not steps or k["ts"] - (steps[-1][-1]["ts"] + steps[-1][-1]["dur"]) > STEP_GAP_US:
+            steps.append([])
+        steps[-1].append(k)
+    parts: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    spans, busy = [], []
+    for step in steps:
+        times: dict[str, float] = defaultdict(float)
+        launches: dict[str, int] = defaultdict(int)
+        for k in step:
+            kind = kind_of(k["name"], k["cat"])
+            if kind in ("symmetric", "matmul"):
+                kind += f" grid {k.get('args', {}).get('grid')}"
+            times[kind] += k["dur"]
+            launches[kind] += 1
+        for kind in times:
+            parts[kind].append((times[kind] / 1e3, launches[kind]))
+        spans.append((step[-1]["ts"] + step[-1]["dur"] - step[0]["ts"]) / 1e3)
+        busy.append(union_us([(k["ts"], k["ts"] + k["dur"]) for k in step]) / 1e3)
+    return {
+        "trace": path,
+        "steps": len(steps),
+        "span_ms": statistics.median(spans),
+        "busy_ms": statistics.median(busy),
+        "parts": {
+            kind: (statistics.median(t for t, _ in v), statistics.median(n for _, n in v))
+            for kind, v in sorted(parts.items(), key=lambda kv: -sum(t for t, _ in kv[1]))
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("traces", nargs="+")
@@ -168,7 +220,25 @@ def main() -> None:
     parser.add_argument(
         "--gaps", type=int, default=0, help="also list this many longest idle intervals"
     )
+    parser.add_argument(
+        "--per-step",
+        action="store_true",
+        help="medians per optimizer step of a trace of several (bench_small_interleaved.py "
+        "--trace-dir), by kind of kernel and launch grid",
+    )
     args = parser.parse_args()
+    if args.per_step:
+        for path in args.traces:
+            r = per_step(path)
+            print(
+                f"{path}: {r['steps']} steps, medians per step: span {r['span_ms']:.3f} ms, "
+                f"busy {r['busy_ms']:.3f} ms"
+            )
+            print("| kernels | ms per step | launches per step |")
+            print("| --- | --- | --- |")
+            for kind, (ms, n) in r["parts"].items():
+                print(f"| {kind} | {ms:.3f} | {n:g} |")
+        return
     rows = [summarize(p, args.whole) for p in args.traces]
     for r in rows:
         for key in ("_begin", "_end", "_stream"):

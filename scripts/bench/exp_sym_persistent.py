@@ -149,6 +149,8 @@ VARIANTS = {  # name: the function in symmetric_mm's place
     "persistent flat 3s": functools.partial(persistent_mm, flatten=True, num_stages=3),
 }
 BASE = "shipped"
+#: ``--cool-ms``: each timed replay preceded by a spin of this long (timing.graph_median_milliseconds)
+COOL_MS = 0.0
 
 
 def check_cpu() -> None:
@@ -255,7 +257,9 @@ def per_product(rounds: int, reps: int, calls: int) -> None:
                     else (lambda x=x, y=y, kind=kind, v=v: product(VARIANTS[v], kind, x, y))
                 )
                 times[(case, v)].append(
-                    graph_median_milliseconds(fn, device, warmup=2, reps=reps, calls=calls)
+                    graph_median_milliseconds(
+                        fn, device, warmup=2, reps=reps, calls=calls, cool_ms=COOL_MS
+                    )
                 )
     title = f"ms per product, median of {rounds} rounds; ratio to {BASE}"
     _table(title, list(CASES), names, times, status)
@@ -299,7 +303,12 @@ def whole_ns(rounds: int, reps: int) -> None:
                 bf16 = batches[name].to(torch.bfloat16)
                 times[(name, v)].append(
                     graph_median_milliseconds(
-                        lambda bf16=bf16: ns(bf16), device, warmup=2, reps=reps, calls=2
+                        lambda bf16=bf16: ns(bf16),
+                        device,
+                        warmup=2,
+                        reps=reps,
+                        calls=2,
+                        cool_ms=COOL_MS,
                     )
                 )
             finally:
@@ -314,11 +323,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--whole-ns", action="store_true")
+    parser.add_argument("--cool-ms", type=float, default=0.0, help="spin before each replay")
     parser.add_argument("--check-cpu", action="store_true", help="the kernel, interpreter")
     args = parser.parse_args()
     if args.check_cpu:
         check_cpu()
         return
+    global COOL_MS
+    COOL_MS = args.cool_ms
     per_product(args.rounds, args.reps, args.calls)
     if args.whole_ns:
         whole_ns(args.rounds, args.reps)
