@@ -252,6 +252,27 @@ def kernel_operands(
 if triton is not None:
 
     @triton.jit
+    def program_layout(pid, tiles):
+        """(row, first column, second column, whether the second is stored) of program
+        ``pid`` on a ``tiles``×``tiles`` grid of tiles: :func:`program_tiles`, in Triton (the
+        kernel's, and the experiments' in scripts/bench)."""
+        main = (tiles // 2) * ((tiles + 1) // 2)
+        q = tl.maximum(main - 1 - pid, 0)  # (the leftover programs: any row, replaced below)
+        m = tl.sqrt(q.to(tl.float32)).to(tl.int32)
+        m = tl.where((m + 1) * (m + 1) <= q, m + 1, m)  # float rounding, either way
+        m = tl.where(m * m > q, m - 1, m)
+        s = tl.where(q < m * (m + 1), 2 * m + 1, 2 * m + 2)
+        row = tiles - s
+        first = row + 2 * (s // 2 - 1 - (q - ((s - 1) // 2) * (s // 2)))
+        second = first + 1
+        leftover = tiles - 1 - 4 * (pid - main)  # the odd rows' last tiles, mirrored
+        extra = pid >= main
+        row = tl.where(extra, tiles - 1, row)
+        first = tl.where(extra, leftover, first)
+        second = tl.where(extra, tl.where(leftover >= 2, leftover - 2, leftover), second)
+        return row, first, second, (pid < main) | (leftover >= 2)
+
+    @triton.jit
     def _symmetric_mm_kernel(
         a_ptr,
         b_ptr,
@@ -281,23 +302,9 @@ if triton is not None:
         TILE_K: tl.constexpr,
         K: tl.constexpr,  # compiled per inner size (few): a constant trip count pipelines
     ):
-        # Program pid's tile row and two column tiles: program_tiles, in Python.
         pid = tl.program_id(0)
         batch = tl.program_id(1).to(tl.int64)
-        main = (tiles // 2) * ((tiles + 1) // 2)
-        q = tl.maximum(main - 1 - pid, 0)  # (the leftover programs: any row, replaced below)
-        m = tl.sqrt(q.to(tl.float32)).to(tl.int32)
-        m = tl.where((m + 1) * (m + 1) <= q, m + 1, m)  # float rounding, either way
-        m = tl.where(m * m > q, m - 1, m)
-        s = tl.where(q < m * (m + 1), 2 * m + 1, 2 * m + 2)
-        row = tiles - s
-        first = row + 2 * (s // 2 - 1 - (q - ((s - 1) // 2) * (s // 2)))
-        second = first + 1
-        leftover = tiles - 1 - 4 * (pid - main)  # the odd rows' last tiles, mirrored
-        extra = pid >= main
-        row = tl.where(extra, tiles - 1, row)
-        first = tl.where(extra, leftover, first)
-        second = tl.where(extra, tl.where(leftover >= 2, leftover - 2, leftover), second)
+        row, first, second, both = program_layout(pid, tiles)
         rows = row * TILE + tl.arange(0, TILE)
         c = tl.arange(0, 2 * TILE)
         cols = tl.where(c < TILE, first * TILE + c, second * TILE + c - TILE)
@@ -324,7 +331,7 @@ if triton is not None:
         c_base = c_ptr + batch * c_sb
         # the second tile is stored unless it is the first again (a lone leftover); blocks,
         # not scalars, in the mask: Triton's interpreter rejects a block | scalar bool
-        stored = (c < TILE) | (pid + 0 * c < main) | (leftover + 0 * c >= 2)
+        stored = (c < TILE) | (both.to(tl.int32) + 0 * c > 0)
         stored = (rows[:, None] >= 0) & stored[None, :]
         tl.store(c_base + rows[:, None] * c_sm + cols[None, :] * c_sn, out, mask=stored)
         # the mirror tile: element (r, c) of a tile off the diagonal is C[c, r]

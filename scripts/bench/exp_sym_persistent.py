@@ -40,27 +40,6 @@ from dmuon_titan.timing import graph_median_milliseconds
 
 
 @triton.jit
-def _layout(pid, tiles):
-    """(row, first, second, second stored) of program ``pid``: symmetric.program_tiles."""
-    main = (tiles // 2) * ((tiles + 1) // 2)
-    q = tl.maximum(main - 1 - pid, 0)
-    m = tl.sqrt(q.to(tl.float32)).to(tl.int32)
-    m = tl.where((m + 1) * (m + 1) <= q, m + 1, m)
-    m = tl.where(m * m > q, m - 1, m)
-    s = tl.where(q < m * (m + 1), 2 * m + 1, 2 * m + 2)
-    row = tiles - s
-    first = row + 2 * (s // 2 - 1 - (q - ((s - 1) // 2) * (s // 2)))
-    second = first + 1
-    leftover = tiles - 1 - 4 * (pid - main)
-    extra = pid >= main
-    row = tl.where(extra, tiles - 1, row)
-    first = tl.where(extra, leftover, first)
-    second = tl.where(extra, tl.where(leftover >= 2, leftover - 2, leftover), second)
-    both = (pid < main) | (leftover >= 2)
-    return row, first, second, both
-
-
-@triton.jit
 def _persistent_kernel(
     a_ptr, b_ptr, c_ptr, d_ptr, scale_ptr,
     a_sb, a_sm, a_sk, b_sb, b_sk, b_sn, c_sb, c_sm, c_sn, d_sb, d_sm, d_sn,
@@ -77,7 +56,7 @@ def _persistent_kernel(
     for work in tl.range(start, total, PROGRAMS, flatten=FLATTEN):
         pid = work % per_matrix
         batch = (work // per_matrix).to(tl.int64)
-        row, first, second, _ = _layout(pid, tiles)
+        row, first, second, _ = symmetric.program_layout(pid, tiles)
         rows = row * TILE + r
         cols = tl.where(c < TILE, first * TILE + c, second * TILE + c - TILE)
         a_ptrs = a_ptr + batch * a_sb + rows[:, None] * a_sm + ks[None, :] * a_sk
@@ -93,7 +72,7 @@ def _persistent_kernel(
         done += PROGRAMS
         pid = done % per_matrix
         batch = (done // per_matrix).to(tl.int64)
-        row, first, second, both = _layout(pid, tiles)
+        row, first, second, both = symmetric.program_layout(pid, tiles)
         rows = row * TILE + r
         cols = tl.where(c < TILE, first * TILE + c, second * TILE + c - TILE)
         col_tile = tl.where(c < TILE, first, second)

@@ -36,7 +36,6 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from exp_sym_persistent import _layout  # (this directory: the script's own on sys.path)
 
 from dmuon_titan import symmetric
 
@@ -57,7 +56,7 @@ def _tma_kernel(
     finished = tl.program_id(0) - launched
     for work in tl.range(tl.program_id(0), total, launched, flatten=FLATTEN):
         base = (work // per_matrix) * rows_per_matrix
-        row, first, second, _ = _layout(work % per_matrix, tiles)
+        row, first, second, _ = symmetric.program_layout(work % per_matrix, tiles)
         acc1 = tl.zeros((TILE, TILE), dtype=tl.float32)
         acc2 = tl.zeros((TILE, TILE), dtype=tl.float32)
         for kk in range(0, K // TILE_K):
@@ -68,7 +67,7 @@ def _tma_kernel(
         finished += launched
         base = (finished // per_matrix) * rows_per_matrix
         batch = finished // per_matrix
-        row, first, second, _ = _layout(finished % per_matrix, tiles)
+        row, first, second, _ = symmetric.program_layout(finished % per_matrix, tiles)
         acc1 = acc1 * alpha
         acc2 = acc2 * alpha
         if HAS_ADDEND:
