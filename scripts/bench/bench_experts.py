@@ -27,11 +27,11 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from finish import end_distributed_run  # (this directory: the script's own on sys.path)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_titan as dmuon
+from dmuon_titan.exit import end_distributed_run
 from dmuon_titan.newton_schulz import JORDAN_COEFFICIENTS, orthogonalize
 from dmuon_titan.plan.cost import ns_flops
 

@@ -68,12 +68,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from finish import end_distributed_run  # (this directory: the script's own on sys.path)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon_titan as dmuon
+from dmuon_titan.exit import end_distributed_run
 from dmuon_titan.naive import NaiveMuon
 from dmuon_titan.timing import PhaseTimer, median_milliseconds
 
