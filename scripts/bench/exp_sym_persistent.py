@@ -17,7 +17,7 @@ the shipped kernel's time in one call, 0.99–1.03× in the next; in the trainin
 cap (SM clock down to 1140 MHz), unlike a training step at 170M (1980 MHz): judge a kernel in
 the step (``bench_small_interleaved.py --gpu-busy``).
 
-Timed like ``exp_sym_blocks.py``: GPU-only (CUDA graphs), variants interleaved round by
+Timed by ``sym_harness.py`` (as ``exp_sym_blocks.py``): GPU-only (CUDA graphs), variants interleaved round by
 round, every result checked against cuBLAS; ``--whole-ns`` runs NS of the 170M batches
 (``"auto"``, bf16) with each variant in place of ``symmetric.symmetric_mm``.
 
@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 
+import sym_harness  # (this directory: the script's own on sys.path)
 import torch
 import triton
 import triton.language as tl
 
 from dmuon_titan import symmetric
-from dmuon_titan.timing import graph_median_milliseconds
 
 
 @triton.jit
@@ -128,8 +127,6 @@ VARIANTS = {  # name: the function in symmetric_mm's place
     "persistent flat 3s": functools.partial(persistent_mm, flatten=True, num_stages=3),
 }
 BASE = "shipped"
-#: ``--cool-ms``: each timed replay preceded by a spin of this long (timing.graph_median_milliseconds)
-COOL_MS = 0.0
 
 
 def check_cpu() -> None:
@@ -152,167 +149,15 @@ def check_cpu() -> None:
     print("persistent kernel: equal to the float32 products in the interpreter, 1-9 tiles")
 
 
-CASES = {  # name: (batch, rows, inner, kind of product)
-    "48 X·Xᵀ 1024x1024": (48, 1024, 1024, "gram"),
-    "48 aI+bA+cA² 1024²": (48, 1024, 1024, "poly"),
-    "36 A·B 1024²": (36, 1024, 1024, "sym"),
-    "36 X·Xᵀ 1024x2816": (36, 1024, 2816, "gram"),
-    "8 A² 4096²": (8, 4096, 4096, "sym"),
-    "2 X·Xᵀ 4096x14336": (2, 4096, 14336, "gram"),
-}
-
-
-def product(mm, kind, x, y):
-    if kind == "gram":
-        return mm(x, x.mT)
-    if kind == "poly":
-        return mm(x, x, addend=x, alpha=2.0315, beta=-4.7750, diagonal=3.4445)
-    return mm(x, y)
-
-
-def reference(kind, x, y):
-    if kind == "gram":
-        return torch.bmm(x, x.mT)
-    if kind == "poly":
-        out = torch.baddbmm(x, x, x, beta=-4.7750, alpha=2.0315)
-        out.diagonal(dim1=-2, dim2=-1).add_(3.4445)
-        return out
-    return torch.bmm(x, y)
-
-
-def _table(title: str, rows: list[str], names: list[str], times: dict, status: dict) -> None:
-    print(title)
-    print("| case | " + " | ".join(names) + " |")
-    print("| --- " * (len(names) + 1) + "|")
-    for case in rows:
-        base = times.get((case, BASE))
-        base = statistics.median(base) if base else float("nan")
-        cells = []
-        for v in names:
-            t = times.get((case, v))
-            if not t:
-                cells.append(status.get((case, v), "-"))
-                continue
-            ms = statistics.median(t)
-            cells.append(f"{ms:.4f} ({ms / base:.3f}, {status[(case, v)]})")
-        print(f"| {case} | " + " | ".join(cells) + " |")
-
-
-def per_product(rounds: int, reps: int, calls: int) -> None:
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    inputs = {}
-    for name, (batch, rows, inner, kind) in CASES.items():
-        x = torch.randn(batch, rows, inner, device=device, dtype=torch.bfloat16) / inner**0.5
-        y = None
-        if kind != "gram":  # symmetric, commuting: A and A² (as Gram NS's P and Q)
-            x = (x @ x.mT).to(torch.bfloat16)
-            y = (x @ x).to(torch.bfloat16)
-        inputs[name] = (x, y)
-    names = ["cuBLAS", *VARIANTS]
-    status, times = {}, {(c, v): [] for c in CASES for v in names}
-    for case, (x, y) in inputs.items():
-        kind = CASES[case][3]
-        want = reference(kind, x, y).float()
-        for v in names:
-            if v == "cuBLAS":
-                status[(case, v)] = "ok"
-                continue
-            try:
-                got = product(VARIANTS[v], kind, x, y).float()
-                rel = ((got - want).norm() / want.norm()).item()
-                status[(case, v)] = f"err {rel:.1e}"
-            except Exception as e:  # (one variant failing leaves the others)
-                status[(case, v)] = f"failed: {type(e).__name__}: {str(e)[:100]}"
-    for r in range(rounds):
-        for case, (x, y) in inputs.items():
-            kind = CASES[case][3]
-            for v in names[r % len(names) :] + names[: r % len(names)]:
-                if status[(case, v)].startswith("failed"):
-                    continue
-                fn = (
-                    (lambda x=x, y=y, kind=kind: reference(kind, x, y))
-                    if v == "cuBLAS"
-                    else (lambda x=x, y=y, kind=kind, v=v: product(VARIANTS[v], kind, x, y))
-                )
-                times[(case, v)].append(
-                    graph_median_milliseconds(
-                        fn, device, warmup=2, reps=reps, calls=calls, cool_ms=COOL_MS
-                    )
-                )
-    title = f"ms per product, median of {rounds} rounds; ratio to {BASE}"
-    _table(title, list(CASES), names, times, status)
-
-
-def whole_ns(rounds: int, reps: int) -> None:
-    """NS of the two 170M batches (``"auto"``, bf16, 5 Jordan steps) with each variant in
-    place of ``symmetric.symmetric_mm``, interleaved; errors against float64 NS."""
-    from dmuon_titan import newton_schulz
-
-    device = torch.device("cuda")
-    coefficients = newton_schulz.normalize_coefficients("jordan")
-    torch.manual_seed(1)
-    batches = {
-        "48 x 1024x1024": torch.randn(48, 1024, 1024, device=device),
-        "36 x 1024x2816": torch.randn(36, 1024, 2816, device=device),
-    }
-    shipped = symmetric.symmetric_mm
-
-    def ns(x):
-        return newton_schulz.orthogonalize(x, coefficients, 5, 1e-7, torch.bfloat16, "auto")
-
-    status, times = {}, {}
-    for name, x in batches.items():
-        exact = newton_schulz.orthogonalize(x.double(), coefficients, 5, 1e-7, torch.float64)
-        for v in VARIANTS:
-            symmetric.symmetric_mm = VARIANTS[v]
-            try:
-                got = ns(x.to(torch.bfloat16)).double()
-                status[(name, v)] = f"err {((got - exact).norm() / exact.norm()).item():.2e}"
-                times[(name, v)] = []
-            except Exception as e:
-                status[(name, v)] = f"failed: {type(e).__name__}: {str(e)[:100]}"
-            finally:
-                symmetric.symmetric_mm = shipped
-    keys = list(times)
-    for r in range(rounds):
-        for name, v in keys[r % len(keys) :] + keys[: r % len(keys)]:
-            symmetric.symmetric_mm = VARIANTS[v]
-            try:
-                bf16 = batches[name].to(torch.bfloat16)
-                times[(name, v)].append(
-                    graph_median_milliseconds(
-                        lambda bf16=bf16: ns(bf16),
-                        device,
-                        warmup=2,
-                        reps=reps,
-                        calls=2,
-                        cool_ms=COOL_MS,
-                    )
-                )
-            finally:
-                symmetric.symmetric_mm = shipped
-    title = f"whole NS ('auto', bf16), ms, median of {rounds} rounds; error against float64 NS"
-    _table(title, list(batches), list(VARIANTS), times, status)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--calls", type=int, default=5)
-    parser.add_argument("--whole-ns", action="store_true")
-    parser.add_argument("--cool-ms", type=float, default=0.0, help="spin before each replay")
-    parser.add_argument("--check-cpu", action="store_true", help="the kernel, interpreter")
+    sym_harness.timing_arguments(parser, rounds=5, cool_ms=0.0)
     args = parser.parse_args()
     if args.check_cpu:
         check_cpu()
         return
-    global COOL_MS
-    COOL_MS = args.cool_ms
-    per_product(args.rounds, args.reps, args.calls)
-    if args.whole_ns:
-        whole_ns(args.rounds, args.reps)
+    cases = {k: v for k, v in sym_harness.CASES.items() if "1024x4096" not in k}
+    sym_harness.run(args, VARIANTS, BASE, cases)
 
 
 if __name__ == "__main__":

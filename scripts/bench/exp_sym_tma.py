@@ -33,6 +33,7 @@ import functools
 import os
 import sys
 
+import sym_harness  # (this directory: the script's own on sys.path)
 import torch
 import triton
 import triton.language as tl
@@ -190,13 +191,8 @@ def check_cpu() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--calls", type=int, default=5)
-    parser.add_argument("--whole-ns", action="store_true")
-    parser.add_argument("--cool-ms", type=float, default=25.0)
+    sym_harness.timing_arguments(parser, rounds=3, cool_ms=25.0)
     parser.add_argument("--resources", action="store_true", help="offline: compile, no GPU")
-    parser.add_argument("--check-cpu", action="store_true", help="the kernel, interpreter")
     args = parser.parse_args()
     if args.check_cpu:
         check_cpu()
@@ -204,20 +200,18 @@ def main() -> None:
     if args.resources:
         resources()
         return
-    import exp_sym_persistent as harness
+    from exp_sym_persistent import persistent_mm
 
-    harness.VARIANTS = {
+    variants = {
         "shipped": symmetric.symmetric_mm,
-        "persistent flat 4s": functools.partial(harness.persistent_mm, flatten=True),
+        "persistent flat 4s": functools.partial(persistent_mm, flatten=True),
         "TMA flat 4s": functools.partial(tma_mm, flatten=True),
         "TMA flat 3s": functools.partial(tma_mm, flatten=True, num_stages=3),
         "TMA persistent 4s": functools.partial(tma_mm, flatten=False),
     }
-    harness.CASES = {k: v for k, v in harness.CASES.items() if "4096x14336" not in k}
-    harness.COOL_MS = args.cool_ms
-    harness.per_product(args.rounds, args.reps, args.calls)
-    if args.whole_ns:
-        harness.whole_ns(args.rounds, args.reps)
+    skipped = ("1024x4096", "4096x14336")
+    cases = {k: v for k, v in sym_harness.CASES.items() if not any(s in k for s in skipped)}
+    sym_harness.run(args, variants, "shipped", cases)
 
 
 if __name__ == "__main__":
