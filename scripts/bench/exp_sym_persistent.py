@@ -92,7 +92,8 @@ def _persistent_kernel(
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
+    """SMs of CUDA device ``index``: the persistent grids' program count."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -106,7 +107,7 @@ def persistent_mm(
     per_matrix = symmetric.programs(m // tile)
     total = per_matrix * batch
     if programs is None:
-        programs = _sm_count(a.device.index or 0) if a.is_cuda else 4
+        programs = sm_count(a.device.index or 0) if a.is_cuda else 4
     programs = min(programs, total)
     _persistent_kernel[(programs,)](
         a3, b3, out, add3, scales,

@@ -37,6 +37,7 @@ import sym_harness  # (this directory: the script's own on sys.path)
 import torch
 import triton
 import triton.language as tl
+from exp_sym_persistent import persistent_mm, sm_count
 
 from dmuon_titan import symmetric
 
@@ -91,11 +92,6 @@ def _tma_kernel(
         c_desc.store([tl.where(second != row, base + second * TILE, junk), row * TILE], out2.T)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def tma_mm(
     a, b, *, addend=None, alpha=1.0, beta=1.0, diagonal=0.0, scale=None,
     flatten=True, num_warps=8, num_stages=None,
@@ -130,7 +126,7 @@ def tma_mm(
     tiles = m // tile
     per_matrix = symmetric.programs(tiles)
     total = per_matrix * batch
-    launched = min(_sm_count(a.device.index or 0) if a.is_cuda else 3, total)
+    launched = min(sm_count(a.device.index or 0) if a.is_cuda else 3, total)
     _tma_kernel[(launched,)](
         a_desc, bt_desc, c_desc, d_desc, scales,
         m, batch * m, tiles, per_matrix, total, launched, float(alpha), float(beta),
@@ -200,8 +196,6 @@ def main() -> None:
     if args.resources:
         resources()
         return
-    from exp_sym_persistent import persistent_mm
-
     variants = {
         "shipped": symmetric.symmetric_mm,
         "persistent flat 4s": functools.partial(persistent_mm, flatten=True),
