@@ -11,6 +11,7 @@ ranks cannot hang. With it, ``step()`` exchanges tp shards within each owner's r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from torch.optim.adamw import adamw
 
 from . import fused, newton_schulz, update
 from .options import DEFAULT_NS_BATCH_NUMEL, MuonOptions
+from .plan.cost import orthogonalize_flops
 from .runtime.owned_param import dedicated_of, is_dedicated
 from .runtime.state import STATE_ATTR, DMuonState, scale_gradients_
 from .step_graph import MuonStepGraph, StepScalars
@@ -40,6 +42,13 @@ GROUPED_PASS_NUMEL = 1 << 22
 #: elements per foreach group of those passes (bounds their full-precision temporaries, 256
 #: MiB in float32; fewer groups, fewer launches)
 GROUPED_PASS_SLICE_NUMEL = 1 << 26
+
+#: A captured step runs its chunks on this many streams (``chunk_lanes``): each chunk's
+#: momentum, NS and update is a chain of dependent launches, and the chunks do not depend on
+#: each other, so on two streams one chain's kernels take the SMs another's last wave leaves
+#: idle. Same kernels, same results; two chunks' NS buffers are alive at once instead of one
+#: (docs/benchmarks.md, twentieth session).
+STEP_LANES = 2
 
 
 class Muon(torch.optim.Optimizer):
@@ -171,6 +180,8 @@ class Muon(torch.optim.Optimizer):
         self.step_graph = MuonStepGraph(async_step=options.async_step)
         #: ids of the matrices this rank steps, as :meth:`follow_model` last found them
         self._stepped: set[int] | None = None
+        #: the side streams of a captured step's lanes (``_lane_streams``), made on first use
+        self._side_lanes: list[torch.cuda.Stream] | None = None
         #: (the matrices' ids, those matrices in chunk order): ``_in_chunk_order``'s last
         self._chunk_order: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
         if self._dmuon is not None:  # (its forward, backward and state dicts wait for it)
@@ -375,34 +386,76 @@ class Muon(torch.optim.Optimizer):
         third of the foreach passes' bytes), one launch per run of one shape in a chunk where
         the step's tables allow (``_table_passes``), else one per matrix (in a graph a launch
         costs the host nothing, but the GPU a ramp-up each), and the lr-dependent factors
-        come from those device scalars."""
+        come from those device scalars. A captured step on a GPU runs its chunks side by
+        side on ``STEP_LANES`` streams (``_lane_streams``), forked from the current stream
+        and joined back into it."""
         captured = scalars is not None
-        for chunk in self._chunks(todo, captured):
-            grouped = not captured and self._grouped(chunk, group)
-            by_table = captured and self._table_passes(chunk, group, scalars)
-            out = self._orthogonalize(chunk, group, coefficients, grouped, scalars, by_table)
-            if grouped:
-                self._grouped_update(chunk, out, group)
-            elif by_table:
-                for run, batch in _runs(chunk, out):
-                    fused.decay_and_update_by_table(
-                        scalars.params[scalars.table_rows(run)],
-                        run[0].dtype,
-                        batch,
-                        scalars.decay,
-                        scalars.step(run[0].shape),
-                    )
-            else:
-                orthos = [out] if len(chunk) == 1 else out.unbind(0)
-                for p, ortho in zip(chunk, orthos, strict=True):
-                    ortho = _shaped_as(ortho, p.shape)  # (NS's is wide)
-                    if captured:
-                        step = scalars.step(p.shape)
-                        fused.decay_and_update_(p.data, ortho, scalars.decay, step)
-                    else:
-                        self._update_matrix(p, ortho, group)
-                del orthos
-            del out  # NS's output for the chunk: free it before the next chunk
+        chunks = self._chunks(todo, captured)
+        streams = self._lane_streams(chunks, group) if captured else [None] * len(chunks)
+        sides = list(dict.fromkeys(s for s in streams if s is not None))
+        current = torch.cuda.current_stream(todo[0].device) if sides else None
+        for side in sides:  # (the inputs were written on the current stream)
+            side.wait_stream(current)
+        try:
+            for chunk, stream in zip(chunks, streams, strict=True):
+                with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                    self._step_chunk(chunk, group, coefficients, scalars)
+        finally:
+            for side in sides:  # (what follows the step sees every chunk's update)
+                current.wait_stream(side)
+
+    def _lane_streams(
+        self, chunks: list[list[torch.Tensor]], group: dict[str, Any]
+    ) -> list[torch.cuda.Stream | None]:
+        """The stream each chunk of a captured step runs on (None: the current one), by
+        :func:`chunk_lanes` over ``STEP_LANES`` lanes of their NS FLOPs; one chunk, or off a
+        GPU: all on the current stream."""
+        device = chunks[0][0].device if chunks else None
+        if len(chunks) < 2 or STEP_LANES < 2 or device.type != "cuda":
+            return [None] * len(chunks)
+        costs = [
+            len(chunk) * orthogonalize_flops(chunk[0].shape, self.ns_algorithm, group["ns_steps"])
+            for chunk in chunks
+        ]
+        if self._side_lanes is None or self._side_lanes[0].device != device:
+            self._side_lanes = [torch.cuda.Stream(device) for _ in range(STEP_LANES - 1)]
+        lanes = [None, *self._side_lanes]
+        return [lanes[lane] for lane in chunk_lanes(costs, STEP_LANES)]
+
+    def _step_chunk(
+        self,
+        chunk: list[torch.Tensor],
+        group: dict[str, Any],
+        coefficients,
+        scalars: StepScalars | None,
+    ) -> None:
+        """Momentum, NS and the update of one chunk (see :meth:`_step_matrices`), on the
+        current stream: everything it allocates is allocated and freed there."""
+        captured = scalars is not None
+        grouped = not captured and self._grouped(chunk, group)
+        by_table = captured and self._table_passes(chunk, group, scalars)
+        out = self._orthogonalize(chunk, group, coefficients, grouped, scalars, by_table)
+        if grouped:
+            self._grouped_update(chunk, out, group)
+        elif by_table:
+            for run, batch in _runs(chunk, out):
+                fused.decay_and_update_by_table(
+                    scalars.params[scalars.table_rows(run)],
+                    run[0].dtype,
+                    batch,
+                    scalars.decay,
+                    scalars.step(run[0].shape),
+                )
+        else:
+            orthos = [out] if len(chunk) == 1 else out.unbind(0)
+            for p, ortho in zip(chunk, orthos, strict=True):
+                ortho = _shaped_as(ortho, p.shape)  # (NS's is wide)
+                if captured:
+                    step = scalars.step(p.shape)
+                    fused.decay_and_update_(p.data, ortho, scalars.decay, step)
+                else:
+                    self._update_matrix(p, ortho, group)
+            del orthos
 
     def _in_chunk_order(self, todo: list[torch.Tensor]) -> list[torch.Tensor]:
         """``todo`` in the order of the captured step's chunks, kept from the last step while
@@ -794,6 +847,19 @@ def ns_chunks(
         )
         chunks.extend(same[i : i + per_chunk] for i in range(0, len(same), per_chunk))
     return chunks
+
+
+def chunk_lanes(costs: Sequence[float], lanes: int) -> list[int]:
+    """The lane (0 … ``lanes`` - 1) of each chunk of the given costs, taken in order: each
+    to the lane with the least cost so far (the lowest such lane). Each lane runs its
+    chunks in their order; lanes run side by side."""
+    loads = [0.0] * max(1, lanes)
+    placed = []
+    for cost in costs:
+        lane = min(range(len(loads)), key=loads.__getitem__)
+        loads[lane] += cost
+        placed.append(lane)
+    return placed
 
 
 def ns_batch_size(matrix_numel: int, max_numel: int, unbatched_numel: int | None) -> int:

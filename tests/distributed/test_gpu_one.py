@@ -171,6 +171,44 @@ def test_a_clip_deferred_to_the_captured_step_changes_no_bit():
     assert all(torch.equal(clipped["weights"][k], deferred["weights"][k]) for k in init)
 
 
+def on_lanes(rank: int, world_size: int, configs: list[RunConfig]) -> list:
+    """:func:`graph_and_eager` of ``configs[0]`` with the captured step's chunks on one
+    stream, then on two (``muon.STEP_LANES``), counting the chunks each put on a side
+    stream."""
+    from dmuon_titan import muon
+
+    runs, on_side = [], []
+    lanes = muon.Muon._lane_streams
+
+    def counted(self, chunks, group):
+        streams = lanes(self, chunks, group)
+        on_side[-1] += sum(s is not None for s in streams)
+        return streams
+
+    for count in (1, 2):
+        on_side.append(0)
+        with (
+            mock.patch.object(muon, "STEP_LANES", count),
+            mock.patch.object(muon.Muon, "_lane_streams", counted),
+        ):
+            runs += graph_and_eager(rank, world_size, configs[:1])
+    return [runs, on_side]
+
+
+def test_the_captured_step_on_two_streams_changes_no_bit():
+    """float32, the toy's chunks (its attention matrices, its FFN matrices with their
+    transposes): on two streams (``STEP_LANES = 2``; the warm-up step and the capture each
+    put a chunk on the side stream) the weights after 5 steps equal those of the one-stream
+    step bit for bit, captured once and replayed for the rest while the gradients move."""
+    cfg = RunConfig(param_dtype=torch.float32, ns_dtype=torch.float32, device="cuda")
+    (one, two), on_side = run_ranks(on_lanes, 1, [cfg], backend="nccl")[0]
+    assert on_side[0] == 0 and on_side[1] >= 2, on_side
+    assert one["captures"] == two["captures"] == 1 and two["replays"] == cfg.steps - 1
+    init = initial_state(cfg)
+    assert any(not torch.equal(two["weights"][k].cpu(), init[k].cpu()) for k in init)
+    assert all(torch.equal(one["weights"][k], two["weights"][k]) for k in init)
+
+
 #: GPU cycles each replay is held back by (≈ 200 ms): a read or write that does not wait for
 #: the step in flight then sees the old matrices, and a gradient zeroed or overwritten after
 #: the step but not queued behind it is changed before the replay reads it

@@ -144,6 +144,16 @@ def test_ns_chunks_may_batch_a_shape_with_its_transpose():
     assert len(ns_chunks(params, 10**6)) == 4  # (without: 4x8, 8x4, 4x4, float64)
 
 
+def test_chunk_lanes_balance_the_cost_in_order():
+    from dmuon_titan.muon import chunk_lanes
+
+    assert chunk_lanes([1.03, 1.18], 2) == [0, 1]  # (the 170M step's two NS batches)
+    assert chunk_lanes([5, 1, 1, 1, 1, 3], 2) == [0, 1, 1, 1, 1, 1]
+    assert chunk_lanes([2, 2, 2, 2], 3) == [0, 1, 2, 0]
+    assert chunk_lanes([3, 1, 1], 1) == [0, 0, 0]
+    assert chunk_lanes([], 2) == []
+
+
 # ------------------------------------------------------------------ Gram Newton–Schulz
 GRAM_SHAPES = [(24, 80), (80, 24), (40, 40), (3, 24, 60), (2, 60, 24)]
 
