@@ -106,7 +106,14 @@ def phase_gpu_milliseconds(trace_path: str) -> dict[str, tuple[float, float]]:
     }
 
 
-def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: float):
+def build(
+    variant: str,
+    flavor: str,
+    device: torch.device,
+    lr: float,
+    adamw_lr: float,
+    ns_batch_numel: int | None = None,
+):
     from torchtitan.models.llama3 import Transformer, llama3_args
 
     from dmuon_titan.titan.selection import muon_predicate
@@ -131,6 +138,7 @@ def build(variant: str, flavor: str, device: torch.device, lr: float, adamw_lr: 
             adamw_fused=device.type == "cuda",
             cuda_graph=variant != "dmuon_eager",
             async_step=not variant.endswith("_sync"),
+            **({} if ns_batch_numel is None else {"ns_batch_numel": ns_batch_numel}),
         )
         return model, [optimizer]
     if variant in ("adamw", "adamw_mw"):
@@ -156,6 +164,9 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=10, help="steps per turn")
     parser.add_argument("--warmup-rounds", type=int, default=2)
     parser.add_argument("--h2d", action="store_true", help="copy each batch from the host")
+    parser.add_argument(
+        "--ns-batch-numel", type=int, default=None, help="DMuon's ns_batch_numel (its default)"
+    )
     parser.add_argument(
         "--gpu-busy",
         type=int,
@@ -193,7 +204,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     add_flavors()
     variants = args.variants.split(",")
-    runs = {v: build(v, args.flavor, device, 2e-3, 5e-4) for v in variants}
+    runs = {v: build(v, args.flavor, device, 2e-3, 5e-4, args.ns_batch_numel) for v in variants}
     vocab = runs[variants[0]][0].vocab_size
     generator = torch.Generator().manual_seed(0)
     batches = [
