@@ -386,8 +386,8 @@ class Muon(torch.optim.Optimizer):
         third of the foreach passes' bytes), one launch per run of one shape in a chunk where
         the step's tables allow (``_table_passes``), else one per matrix (in a graph a launch
         costs the host nothing, but the GPU a ramp-up each), and the lr-dependent factors
-        come from those device scalars. A captured step on a GPU runs its chunks side by
-        side on ``STEP_LANES`` streams (``_lane_streams``), forked from the current stream
+        come from those device scalars. Being captured, the step runs its chunks side by
+        side on ``STEP_LANES`` streams (``_lane_streams``), forked from the capture's stream
         and joined back into it."""
         captured = scalars is not None
         chunks = self._chunks(todo, captured)
@@ -408,10 +408,18 @@ class Muon(torch.optim.Optimizer):
         self, chunks: list[list[torch.Tensor]], group: dict[str, Any]
     ) -> list[torch.cuda.Stream | None]:
         """The stream each chunk of a captured step runs on (None: the current one), by
-        :func:`chunk_lanes` over ``STEP_LANES`` lanes of their NS FLOPs; one chunk, or off a
-        GPU: all on the current stream."""
+        :func:`chunk_lanes` over ``STEP_LANES`` lanes of their NS FLOPs; one chunk, off a
+        GPU, or not being captured: all on the current stream. (The first step, which runs
+        the captured step's kernels eagerly, gains nothing from lanes, and what a side
+        stream allocates outside a graph stays cached for that stream alone, out of reach
+        of the forward's and backward's allocations.)"""
         device = chunks[0][0].device if chunks else None
-        if len(chunks) < 2 or STEP_LANES < 2 or device.type != "cuda":
+        if (
+            len(chunks) < 2
+            or STEP_LANES < 2
+            or device.type != "cuda"
+            or not torch.cuda.is_current_stream_capturing()
+        ):
             return [None] * len(chunks)
         costs = [
             len(chunk) * orthogonalize_flops(chunk[0].shape, self.ns_algorithm, group["ns_steps"])

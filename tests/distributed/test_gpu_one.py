@@ -197,12 +197,13 @@ def on_lanes(rank: int, world_size: int, configs: list[RunConfig]) -> list:
 
 def test_the_captured_step_on_two_streams_changes_no_bit():
     """float32, the toy's chunks (its attention matrices, its FFN matrices with their
-    transposes): on two streams (``STEP_LANES = 2``; the warm-up step and the capture each
-    put a chunk on the side stream) the weights after 5 steps equal those of the one-stream
-    step bit for bit, captured once and replayed for the rest while the gradients move."""
+    transposes): on two streams (``STEP_LANES = 2``; the capture puts a chunk on the side
+    stream, the eager first step none) the weights after 5 steps equal those of the
+    one-stream step bit for bit, captured once and replayed for the rest while the
+    gradients move."""
     cfg = RunConfig(param_dtype=torch.float32, ns_dtype=torch.float32, device="cuda")
     (one, two), on_side = run_ranks(on_lanes, 1, [cfg], backend="nccl")[0]
-    assert on_side[0] == 0 and on_side[1] >= 2, on_side
+    assert on_side[0] == 0 and on_side[1] >= 1, on_side
     assert one["captures"] == two["captures"] == 1 and two["replays"] == cfg.steps - 1
     init = initial_state(cfg)
     assert any(not torch.equal(two["weights"][k].cpu(), init[k].cpu()) for k in init)
