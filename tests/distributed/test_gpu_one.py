@@ -173,8 +173,8 @@ def test_a_clip_deferred_to_the_captured_step_changes_no_bit():
 
 def on_lanes(rank: int, world_size: int, configs: list[RunConfig]) -> list:
     """:func:`graph_and_eager` of ``configs[0]`` with the captured step's chunks on one
-    stream, then on two (``muon.STEP_LANES``), counting the chunks each put on a side
-    stream."""
+    stream, then on two (``muon.STEP_LANES``), then on two staggered (``STAGGER_LANES``),
+    counting the chunks each put on a side stream."""
     from dmuon_titan import muon
 
     runs, on_side = [], []
@@ -185,10 +185,11 @@ def on_lanes(rank: int, world_size: int, configs: list[RunConfig]) -> list:
         on_side[-1] += sum(s is not None for s in streams)
         return streams
 
-    for count in (1, 2):
+    for count, stagger in ((1, False), (2, False), (2, True)):
         on_side.append(0)
         with (
             mock.patch.object(muon, "STEP_LANES", count),
+            mock.patch.object(muon, "STAGGER_LANES", stagger),
             mock.patch.object(muon.Muon, "_lane_streams", counted),
         ):
             runs += graph_and_eager(rank, world_size, configs[:1])
@@ -198,16 +199,18 @@ def on_lanes(rank: int, world_size: int, configs: list[RunConfig]) -> list:
 def test_the_captured_step_on_two_streams_changes_no_bit():
     """float32, the toy's chunks (its attention matrices, its FFN matrices with their
     transposes): on two streams (``STEP_LANES = 2``; the capture puts a chunk on the side
-    stream, the eager first step none) the weights after 5 steps equal those of the
-    one-stream step bit for bit, captured once and replayed for the rest while the
-    gradients move."""
+    stream, the eager first step none), staggered or not, the weights after 5 steps equal
+    those of the one-stream step bit for bit, captured once and replayed for the rest while
+    the gradients move."""
     cfg = RunConfig(param_dtype=torch.float32, ns_dtype=torch.float32, device="cuda")
-    (one, two), on_side = run_ranks(on_lanes, 1, [cfg], backend="nccl")[0]
-    assert on_side[0] == 0 and on_side[1] >= 1, on_side
-    assert one["captures"] == two["captures"] == 1 and two["replays"] == cfg.steps - 1
+    (one, two, staggered), on_side = run_ranks(on_lanes, 1, [cfg], backend="nccl")[0]
+    assert on_side[0] == 0 and on_side[1] >= 1 and on_side[2] == on_side[1], on_side
+    for run in (one, two, staggered):
+        assert run["captures"] == 1 and run["replays"] == cfg.steps - 1
     init = initial_state(cfg)
     assert any(not torch.equal(two["weights"][k].cpu(), init[k].cpu()) for k in init)
-    assert all(torch.equal(one["weights"][k], two["weights"][k]) for k in init)
+    for run in (two, staggered):
+        assert all(torch.equal(one["weights"][k], run["weights"][k]) for k in init)
 
 
 #: GPU cycles each replay is held back by (≈ 200 ms): a read or write that does not wait for
