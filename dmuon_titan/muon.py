@@ -429,19 +429,20 @@ class Muon(torch.optim.Optimizer):
         stream allocates outside a graph stays cached for that stream alone, out of reach
         of the forward's and backward's allocations.)"""
         device = chunks[0][0].device if chunks else None
+        if len(chunks) < 2 or STEP_LANES < 2 or device.type != "cuda":
+            return [None] * len(chunks)
         if (
-            len(chunks) < 2
-            or STEP_LANES < 2
-            or device.type != "cuda"
-            or not torch.cuda.is_current_stream_capturing()
-        ):
+            self._side_lanes is None
+            or len(self._side_lanes) != STEP_LANES - 1
+            or self._side_lanes[0].device != device
+        ):  # (made by the eager first step: before any capture)
+            self._side_lanes = [torch.cuda.Stream(device) for _ in range(STEP_LANES - 1)]
+        if not torch.cuda.is_current_stream_capturing():
             return [None] * len(chunks)
         costs = [
             len(chunk) * orthogonalize_flops(chunk[0].shape, self.ns_algorithm, group["ns_steps"])
             for chunk in chunks
         ]
-        if self._side_lanes is None or self._side_lanes[0].device != device:
-            self._side_lanes = [torch.cuda.Stream(device) for _ in range(STEP_LANES - 1)]
         lanes = [None, *self._side_lanes]
         return [lanes[lane] for lane in chunk_lanes(costs, STEP_LANES)]
 
