@@ -46,14 +46,17 @@ GROUPED_PASS_SLICE_NUMEL = 1 << 26
 #: A captured step runs its chunks on this many streams (``chunk_lanes``): each chunk's
 #: momentum, NS and update is a chain of dependent launches, and the chunks do not depend on
 #: each other, so on two streams one chain's kernels take the SMs another's last wave leaves
-#: idle. Same kernels, same results; two chunks' NS buffers are alive at once instead of one
-#: (docs/benchmarks.md, twentieth session).
+#: idle. Same kernels, same results. Memory: the graph's private pool holds about the sum of
+#: the lanes' peaks (each lane reuses only blocks it freed itself) instead of the largest
+#: chunk's, plus the side stream's cuBLAS workspace (docs/benchmarks.md, twentieth session).
+#: Read when the step is captured: a change takes effect at the next capture.
 STEP_LANES = 2
 #: Lanes staggered (``Muon.stagger_lanes``): a chunk's momentum pass waits for the previous
 #: chunk's, so that a bandwidth-bound pass runs beside another lane's Newton–Schulz: a
 #: momentum program (4 warps) fits in the registers an X·Xᵀ program of the symmetric kernel
 #: leaves on its SM (190 a thread, sm_90), where two NS programs never share one (shared
-#: memory), nor does it fit beside a polynomial's (242). Not yet measured: off.
+#: memory), nor does it fit beside a polynomial's (242). Not yet measured: off. Each
+#: optimizer reads it once, into ``Muon.stagger_lanes``.
 STAGGER_LANES = False
 
 
@@ -188,7 +191,8 @@ class Muon(torch.optim.Optimizer):
         self._stepped: set[int] | None = None
         #: whether each lane's next momentum pass waits for the one before it (in chunk
         #: order), so that the bandwidth-bound passes run beside another chunk's NS rather
-        #: than beside each other (``STAGGER_LANES``; an experiment, off by default)
+        #: than beside each other (``STAGGER_LANES``; an experiment, off by default); read
+        #: when the step is captured: a change takes effect at the next capture
         self.stagger_lanes = STAGGER_LANES
         #: the side streams of a captured step's lanes (``_lane_streams``), made on first use
         self._side_lanes: list[torch.cuda.Stream] | None = None
@@ -411,7 +415,7 @@ class Muon(torch.optim.Optimizer):
         momentum_done: torch.cuda.Event | None = None  # the previous chunk's momentum pass
         try:
             for chunk, stream in zip(chunks, streams, strict=True):
-                with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     after = momentum_done
                     momentum_done = torch.cuda.Event() if stagger else None
                     self._step_chunk(chunk, group, coefficients, scalars, after, momentum_done)
@@ -427,7 +431,9 @@ class Muon(torch.optim.Optimizer):
         GPU, or not being captured: all on the current stream. (The first step, which runs
         the captured step's kernels eagerly, gains nothing from lanes, and what a side
         stream allocates outside a graph stays cached for that stream alone, out of reach
-        of the forward's and backward's allocations.)"""
+        of the forward's and backward's allocations.) A side stream that is the current
+        stream (torch hands out streams from a pool of 32, round robin, and each capture
+        takes one) is no lane: all on the current stream then too."""
         device = chunks[0][0].device if chunks else None
         if len(chunks) < 2 or STEP_LANES < 2 or device.type != "cuda":
             return [None] * len(chunks)
@@ -435,9 +441,11 @@ class Muon(torch.optim.Optimizer):
             self._side_lanes is None
             or len(self._side_lanes) != STEP_LANES - 1
             or self._side_lanes[0].device != device
-        ):  # (made by the eager first step: before any capture)
+        ):  # (usually made by the eager first step, before any capture; safe during one too)
             self._side_lanes = [torch.cuda.Stream(device) for _ in range(STEP_LANES - 1)]
-        if not torch.cuda.is_current_stream_capturing():
+        if not torch.cuda.is_current_stream_capturing() or any(
+            side == torch.cuda.current_stream(device) for side in self._side_lanes
+        ):
             return [None] * len(chunks)
         costs = [
             len(chunk) * orthogonalize_flops(chunk[0].shape, self.ns_algorithm, group["ns_steps"])

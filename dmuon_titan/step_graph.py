@@ -34,9 +34,9 @@ kernels, one launch per run of same-shape matrices of a chunk: they read each ma
 momentum buffer and its gradient through device tables of addresses (:attr:`StepScalars.params`,
 ``.buffers``, ``.gradients``), which they promise the compiler are 16-byte aligned (vector loads
 and stores); rows that are not take one launch per matrix, and a gradient that moves off
-alignment where a recorded pass promised it records the step anew. The chunks (NS batches) are
-recorded on two streams, forked from the capture's and joined back (``muon.STEP_LANES``), so
-a replay runs them side by side. The eager step's foreach
+alignment where a recorded pass promised it records the step anew. A step of two chunks (NS batches) or
+more is recorded on ``muon.STEP_LANES`` streams, forked from the capture's and joined back,
+so a replay runs them side by side. The eager step's foreach
 passes over small matrices, which save host launches, move three times the bytes. The two may
 round the last bit differently.
 

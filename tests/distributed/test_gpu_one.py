@@ -174,37 +174,47 @@ def test_a_clip_deferred_to_the_captured_step_changes_no_bit():
 def on_lanes(rank: int, world_size: int, configs: list[RunConfig]) -> list:
     """:func:`graph_and_eager` of ``configs[0]`` with the captured step's chunks on one
     stream, then on two (``muon.STEP_LANES``), then on two staggered (``STAGGER_LANES``),
-    counting the chunks each put on a side stream."""
+    counting per setting the chunks put on a side stream while the step is captured and
+    while it is not, and the chunks whose momentum pass waited for another's."""
     from dmuon_titan import muon
 
-    runs, on_side = [], []
-    lanes = muon.Muon._lane_streams
+    runs, counts = [], []
+    lanes, step_chunk = muon.Muon._lane_streams, muon.Muon._step_chunk
 
-    def counted(self, chunks, group):
+    def counted_lanes(self, chunks, group):
         streams = lanes(self, chunks, group)
-        on_side[-1] += sum(s is not None for s in streams)
+        key = "captured" if torch.cuda.is_current_stream_capturing() else "eager"
+        counts[-1][key] += sum(s is not None for s in streams)
         return streams
 
+    def counted_chunk(self, chunk, group, coefficients, scalars, after=None, done=None):
+        counts[-1]["waited"] += after is not None
+        return step_chunk(self, chunk, group, coefficients, scalars, after, done)
+
     for count, stagger in ((1, False), (2, False), (2, True)):
-        on_side.append(0)
+        counts.append({"captured": 0, "eager": 0, "waited": 0})
         with (
             mock.patch.object(muon, "STEP_LANES", count),
             mock.patch.object(muon, "STAGGER_LANES", stagger),
-            mock.patch.object(muon.Muon, "_lane_streams", counted),
+            mock.patch.object(muon.Muon, "_lane_streams", counted_lanes),
+            mock.patch.object(muon.Muon, "_step_chunk", counted_chunk),
         ):
             runs += graph_and_eager(rank, world_size, configs[:1])
-    return [runs, on_side]
+    return [runs, counts]
 
 
 def test_the_captured_step_on_two_streams_changes_no_bit():
     """float32, the toy's chunks (its attention matrices, its FFN matrices with their
     transposes): on two streams (``STEP_LANES = 2``; the capture puts a chunk on the side
-    stream, the eager first step none), staggered or not, the weights after 5 steps equal
-    those of the one-stream step bit for bit, captured once and replayed for the rest while
-    the gradients move."""
+    stream, the eager first step none), staggered (each chunk's momentum pass after the
+    previous chunk's) or not, the weights after 5 steps equal those of the one-stream step
+    bit for bit, captured once and replayed for the rest while the gradients move."""
     cfg = RunConfig(param_dtype=torch.float32, ns_dtype=torch.float32, device="cuda")
-    (one, two, staggered), on_side = run_ranks(on_lanes, 1, [cfg], backend="nccl")[0]
-    assert on_side[0] == 0 and on_side[1] >= 1 and on_side[2] == on_side[1], on_side
+    (one, two, staggered), counts = run_ranks(on_lanes, 1, [cfg], backend="nccl")[0]
+    assert counts[0] == {"captured": 0, "eager": 0, "waited": 0}, counts
+    assert counts[1]["captured"] >= 1 and counts[1]["eager"] == 0, counts
+    assert counts[1]["waited"] == 0 and counts[2]["waited"] >= 1, counts
+    assert counts[2]["captured"] == counts[1]["captured"] and counts[2]["eager"] == 0, counts
     for run in (one, two, staggered):
         assert run["captures"] == 1 and run["replays"] == cfg.steps - 1
     init = initial_state(cfg)
