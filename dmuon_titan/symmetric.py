@@ -273,6 +273,38 @@ if triton is not None:
         return row, first, second, (pid < main) | (leftover >= 2)
 
     @triton.jit
+    def store_block(
+        acc, batch, row, first, second, both,
+        c_ptr, c_sb, c_sm, c_sn, d_ptr, d_sb, d_sm, d_sn, scale_ptr, alpha, beta, diagonal,
+        HAS_ADDEND: tl.constexpr, HAS_SCALE: tl.constexpr, TILE: tl.constexpr,
+    ):  # fmt: skip
+        """The epilogue of a block (``acc``: the float32 products of tile row ``row`` by tiles
+        ``first`` and ``second`` of matrix ``batch``, :func:`program_layout`'s): alpha, the
+        addend, the diagonal and the scale applied, stored and mirrored (the kernel's, and
+        the experiments' in scripts/bench)."""
+        rows = row * TILE + tl.arange(0, TILE)
+        c = tl.arange(0, 2 * TILE)
+        cols = tl.where(c < TILE, first * TILE + c, second * TILE + c - TILE)
+        col_tile = tl.where(c < TILE, first, second)
+        acc = acc * alpha
+        if HAS_ADDEND:
+            d_ptrs = d_ptr + batch * d_sb + rows[:, None] * d_sm + cols[None, :] * d_sn
+            acc += beta * tl.load(d_ptrs).to(tl.float32)
+        acc += tl.where(rows[:, None] == cols[None, :], diagonal, 0.0)
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + batch)
+        out = acc.to(c_ptr.dtype.element_ty)
+        c_base = c_ptr + batch * c_sb
+        # the second tile is stored unless it is the first again (a lone leftover); blocks,
+        # not scalars, in the mask: Triton's interpreter rejects a block | scalar bool
+        stored = (c < TILE) | (both.to(tl.int32) + 0 * c > 0)
+        stored = (rows[:, None] >= 0) & stored[None, :]
+        tl.store(c_base + rows[:, None] * c_sm + cols[None, :] * c_sn, out, mask=stored)
+        # the mirror tile: element (r, c) of a tile off the diagonal is C[c, r]
+        mirror = stored & (col_tile != row)[None, :]
+        tl.store(c_base + rows[:, None] * c_sn + cols[None, :] * c_sm, out, mask=mirror)
+
+    @triton.jit
     def _symmetric_mm_kernel(
         a_ptr,
         b_ptr,
@@ -308,7 +340,6 @@ if triton is not None:
         rows = row * TILE + tl.arange(0, TILE)
         c = tl.arange(0, 2 * TILE)
         cols = tl.where(c < TILE, first * TILE + c, second * TILE + c - TILE)
-        col_tile = tl.where(c < TILE, first, second)
         ks = tl.arange(0, TILE_K)
         a_ptrs = a_ptr + batch * a_sb + rows[:, None] * a_sm + ks[None, :] * a_sk
         b_ptrs = b_ptr + batch * b_sb + ks[:, None] * b_sk + cols[None, :] * b_sn
@@ -320,20 +351,8 @@ if triton is not None:
                 acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc)
             a_ptrs += TILE_K * a_sk
             b_ptrs += TILE_K * b_sk
-        acc = acc * alpha
-        if HAS_ADDEND:
-            d_ptrs = d_ptr + batch * d_sb + rows[:, None] * d_sm + cols[None, :] * d_sn
-            acc += beta * tl.load(d_ptrs).to(tl.float32)
-        acc += tl.where(rows[:, None] == cols[None, :], diagonal, 0.0)
-        if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + batch)
-        out = acc.to(c_ptr.dtype.element_ty)
-        c_base = c_ptr + batch * c_sb
-        # the second tile is stored unless it is the first again (a lone leftover); blocks,
-        # not scalars, in the mask: Triton's interpreter rejects a block | scalar bool
-        stored = (c < TILE) | (both.to(tl.int32) + 0 * c > 0)
-        stored = (rows[:, None] >= 0) & stored[None, :]
-        tl.store(c_base + rows[:, None] * c_sm + cols[None, :] * c_sn, out, mask=stored)
-        # the mirror tile: element (r, c) of a tile off the diagonal is C[c, r]
-        mirror = stored & (col_tile != row)[None, :]
-        tl.store(c_base + rows[:, None] * c_sn + cols[None, :] * c_sm, out, mask=mirror)
+        store_block(
+            acc, batch, row, first, second, both,
+            c_ptr, c_sb, c_sm, c_sn, d_ptr, d_sb, d_sm, d_sn, scale_ptr, alpha, beta, diagonal,
+            HAS_ADDEND, HAS_SCALE, TILE,
+        )  # fmt: skip

@@ -69,26 +69,12 @@ def _persistent_kernel(
             a_ptrs += TILE_K * a_sk
             b_ptrs += TILE_K * b_sk
         done += PROGRAMS
-        pid = done % per_matrix
-        batch = (done // per_matrix).to(tl.int64)
-        row, first, second, both = symmetric.program_layout(pid, tiles)
-        rows = row * TILE + r
-        cols = tl.where(c < TILE, first * TILE + c, second * TILE + c - TILE)
-        col_tile = tl.where(c < TILE, first, second)
-        acc = acc * alpha
-        if HAS_ADDEND:
-            d_ptrs = d_ptr + batch * d_sb + rows[:, None] * d_sm + cols[None, :] * d_sn
-            acc += beta * tl.load(d_ptrs).to(tl.float32)
-        acc += tl.where(rows[:, None] == cols[None, :], diagonal, 0.0)
-        if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + batch)
-        out = acc.to(c_ptr.dtype.element_ty)
-        c_base = c_ptr + batch * c_sb
-        stored = (c < TILE) | (both.to(tl.int32) + 0 * c > 0)
-        stored = (rows[:, None] >= 0) & stored[None, :]
-        tl.store(c_base + rows[:, None] * c_sm + cols[None, :] * c_sn, out, mask=stored)
-        mirror = stored & (col_tile != row)[None, :]
-        tl.store(c_base + rows[:, None] * c_sn + cols[None, :] * c_sm, out, mask=mirror)
+        row, first, second, both = symmetric.program_layout(done % per_matrix, tiles)
+        symmetric.store_block(
+            acc, (done // per_matrix).to(tl.int64), row, first, second, both,
+            c_ptr, c_sb, c_sm, c_sn, d_ptr, d_sb, d_sm, d_sn, scale_ptr, alpha, beta, diagonal,
+            HAS_ADDEND, HAS_SCALE, TILE,
+        )  # fmt: skip
 
 
 @functools.cache
