@@ -261,17 +261,8 @@ def check_cpu() -> None:
     print("tables: every cell stored once for 1..33 tiles")
     torch.manual_seed(0)
     for kind, m, k in (("pairs", 128, 48), ("quads", 128, 32), ("pairs", 48, 32)):
-        x = torch.randn(3, m, k)
-        scale = torch.rand(3) + 0.5
-        sym = x @ x.mT
-        got = block_mm(x, x.mT, kind=kind, tile=16, tile_k=16, num_warps=1, num_stages=1)
-        assert torch.allclose(got, sym, atol=1e-4), kind
-        got = block_mm(
-            sym, sym, addend=sym, alpha=2.0, beta=-0.5, diagonal=3.0, scale=scale,
-            kind=kind, tile=16, tile_k=16, num_warps=1, num_stages=1,
-        )  # fmt: skip
-        want = (2.0 * sym @ sym - 0.5 * sym + 3.0 * torch.eye(m)) * scale[:, None, None]
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-2), kind
+        kw = dict(kind=kind, tile=16, tile_k=16, num_warps=1, num_stages=1)
+        sym_harness.check_products(block_mm, torch.randn(3, m, k), kind, **kw)
     print("kernel: equal to the float32 products in the interpreter (pairs, quads)")
 
 

@@ -121,18 +121,8 @@ def check_cpu() -> None:
     products for 1–9 tiles, with an addend, a diagonal and a scale."""
     torch.manual_seed(0)
     for tiles in range(1, 10):
-        m = 16 * tiles
-        x = torch.randn(3, m, 32)
-        scale = torch.rand(3) + 0.5
-        sym = x @ x.mT
         kw = dict(tile=16, tile_k=16, num_warps=1, num_stages=1, programs=4)
-        got = persistent_mm(x, x.mT, **kw)
-        assert torch.allclose(got, sym, atol=1e-4), tiles
-        got = persistent_mm(
-            sym, sym, addend=sym, alpha=2.0, beta=-0.5, diagonal=3.0, scale=scale, **kw
-        )
-        want = (2.0 * sym @ sym - 0.5 * sym + 3.0 * torch.eye(m)) * scale[:, None, None]
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-2), tiles
+        sym_harness.check_products(persistent_mm, torch.randn(3, 16 * tiles, 32), tiles, **kw)
     print("persistent kernel: equal to the float32 products in the interpreter, 1-9 tiles")
 
 

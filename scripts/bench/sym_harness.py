@@ -182,6 +182,20 @@ def whole_ns(
     _table(title, list(inputs), list(variants), base, times, status)
 
 
+def check_products(mm: Callable, x: torch.Tensor, label, **kwargs) -> None:
+    """In Triton's interpreter (float32): ``mm`` (``symmetric_mm``'s contract, with
+    ``kwargs``) gives X·Xᵀ of the batch ``x`` and (2A² − 0.5A + 3I)·s for A = X·Xᵀ and a
+    random scale s per matrix, as the float32 products do; ``label`` names a failure."""
+    scale = torch.rand(x.shape[0]) + 0.5
+    sym = x @ x.mT
+    got = mm(x, x.mT, **kwargs)
+    assert torch.allclose(got, sym, atol=1e-4), label
+    got = mm(sym, sym, addend=sym, alpha=2.0, beta=-0.5, diagonal=3.0, scale=scale, **kwargs)
+    eye = torch.eye(x.shape[1])
+    want = (2.0 * sym @ sym - 0.5 * sym + 3.0 * eye) * scale[:, None, None]
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-2), label
+
+
 def timing_arguments(parser: argparse.ArgumentParser, rounds: int, cool_ms: float) -> None:
     """The experiments' common options: rounds, replays, calls per graph, ``--whole-ns``,
     ``--cool-ms``, ``--check-cpu``."""
