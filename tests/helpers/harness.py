@@ -32,6 +32,11 @@ def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, arg
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args)
+            # No rank leaves before every rank is done: one that exits while a peer is still
+            # in the handshake of a group both just created (dedicate_params makes groups, and
+            # a refusal test may end right after) closes the connection under that peer
+            # (gloo "connectFullMesh ... Connection closed by peer", seen once in CI).
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         torch.save(result, os.path.join(tmp, f"result_{rank}.pt"))
@@ -63,7 +68,9 @@ def run_ranks(
         ]
         for p in procs:
             p.start()
-        hung = processes.wait_or_stop(procs, timeout)
+        # A rank that failed leaves the others blocked in a collective (the final barrier at
+        # least): they are stopped FAILURE_GRACE_S later instead of at the timeout.
+        hung = processes.wait_or_stop(procs, timeout, grace=processes.FAILURE_GRACE_S)
         errors = []
         for r in range(world_size):
             path = os.path.join(tmp, f"error_{r}.txt")
