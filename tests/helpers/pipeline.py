@@ -8,7 +8,6 @@ import copy
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -144,7 +143,6 @@ def train_pipelined(rank: int, world_size: int, cfg, pcfg: PipelineConfig) -> di
         if state is not None:
             logs[index] = list(state.comm.log)
             buckets[index] = sum(len(group.buckets) for group in state.groups)
-    dist.barrier()
     return {
         "weights": weights if dp_rank == 0 else None,
         "logs": logs,
