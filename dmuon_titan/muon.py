@@ -51,13 +51,6 @@ GROUPED_PASS_SLICE_NUMEL = 1 << 26
 #: chunk's, plus the side stream's cuBLAS workspace (docs/benchmarks.md, twentieth session).
 #: Read when the step is captured: a change takes effect at the next capture.
 STEP_LANES = 2
-#: Lanes staggered (``Muon.stagger_lanes``): a chunk's momentum pass waits for the previous
-#: chunk's, so that a bandwidth-bound pass runs beside another lane's Newton–Schulz: a
-#: momentum program (4 warps) fits in the registers an X·Xᵀ program of the symmetric kernel
-#: leaves on its SM (190 a thread, sm_90), where two NS programs never share one (shared
-#: memory), nor does it fit beside a polynomial's (242). Not yet measured: off. Each
-#: optimizer reads it once, into ``Muon.stagger_lanes``.
-STAGGER_LANES = False
 
 
 class Muon(torch.optim.Optimizer):
@@ -189,11 +182,6 @@ class Muon(torch.optim.Optimizer):
         self.step_graph = MuonStepGraph(async_step=options.async_step)
         #: ids of the matrices this rank steps, as :meth:`follow_model` last found them
         self._stepped: set[int] | None = None
-        #: whether each lane's next momentum pass waits for the one before it (in chunk
-        #: order), so that the bandwidth-bound passes run beside another chunk's NS rather
-        #: than beside each other (``STAGGER_LANES``; an experiment, off by default); read
-        #: when the step is captured: a change takes effect at the next capture
-        self.stagger_lanes = STAGGER_LANES
         #: the side streams of a captured step's lanes (``_lane_streams``), made on first use
         self._side_lanes: list[torch.cuda.Stream] | None = None
         #: (the matrices' ids, those matrices in chunk order): ``_in_chunk_order``'s last
@@ -402,8 +390,7 @@ class Muon(torch.optim.Optimizer):
         costs the host nothing, but the GPU a ramp-up each), and the lr-dependent factors
         come from those device scalars. Being captured, the step runs its chunks side by
         side on ``STEP_LANES`` streams (``_lane_streams``), forked from the capture's stream
-        and joined back into it; with ``stagger_lanes`` each chunk's momentum pass waits for
-        the previous chunk's."""
+        and joined back into it."""
         captured = scalars is not None
         chunks = self._chunks(todo, captured)
         streams = self._lane_streams(chunks, group) if captured else [None] * len(chunks)
@@ -411,14 +398,10 @@ class Muon(torch.optim.Optimizer):
         current = torch.cuda.current_stream(todo[0].device) if sides else None
         for side in sides:  # (the inputs were written on the current stream)
             side.wait_stream(current)
-        stagger = self.stagger_lanes and bool(sides)
-        momentum_done: torch.cuda.Event | None = None  # the previous chunk's momentum pass
         try:
             for chunk, stream in zip(chunks, streams, strict=True):
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    after = momentum_done
-                    momentum_done = torch.cuda.Event() if stagger else None
-                    self._step_chunk(chunk, group, coefficients, scalars, after, momentum_done)
+                    self._step_chunk(chunk, group, coefficients, scalars)
         finally:
             for side in sides:  # (what follows the step sees every chunk's update)
                 current.wait_stream(side)
@@ -460,21 +443,13 @@ class Muon(torch.optim.Optimizer):
         group: dict[str, Any],
         coefficients,
         scalars: StepScalars | None,
-        after: torch.cuda.Event | None = None,
-        momentum_done: torch.cuda.Event | None = None,
     ) -> None:
         """Momentum, NS and the update of one chunk (see :meth:`_step_matrices`), on the
-        current stream: everything it allocates is allocated and freed there. ``after``:
-        its momentum pass first waits for that event; ``momentum_done``: recorded when its
-        momentum pass is done."""
+        current stream: everything it allocates is allocated and freed there."""
         captured = scalars is not None
         grouped = not captured and self._grouped(chunk, group)
         by_table = captured and self._table_passes(chunk, group, scalars)
-        if after is not None:
-            torch.cuda.current_stream().wait_event(after)
-        out = self._orthogonalize(
-            chunk, group, coefficients, grouped, scalars, by_table, momentum_done=momentum_done
-        )
+        out = self._orthogonalize(chunk, group, coefficients, grouped, scalars, by_table)
         if grouped:
             self._grouped_update(chunk, out, group)
         elif by_table:
@@ -596,15 +571,13 @@ class Muon(torch.optim.Optimizer):
         grouped: bool,
         scalars: StepScalars | None = None,
         by_table: bool = False,
-        momentum_done: torch.cuda.Event | None = None,
     ) -> torch.Tensor:
         """Momentum step + NS of one chunk of same-shape matrices: the orthogonalized batch
         (``[len(chunk), *shape]``; one matrix alone for a chunk of one). The directions are
         written straight into one NS-dtype buffer, which NS then uses as its own scratch: no
         full-precision direction is ever materialized. ``scalars``: a captured step's (the
         gradients read through their slots; no timing events); ``by_table``: its momentum
-        passes one launch per run of one shape (``_table_passes``); ``momentum_done``: an
-        event recorded once the directions are written, before NS."""
+        passes one launch per run of one shape (``_table_passes``)."""
         args = (coefficients, group["ns_steps"], group["eps"], group["ns_dtype"], self.ns_algorithm)
         shape = chunk[0].shape  # the whole matrix's (also for a DTensor)
         single = len(chunk) == 1
@@ -662,9 +635,7 @@ class Muon(torch.optim.Optimizer):
                     scale = scalars.grad_scale if p.grad.dtype == torch.float32 else None
                 out = _shaped_as(batch if single else batch[i], p.shape)
                 self._write_direction(p, group, out, slot, scale)
-        if momentum_done is not None:
-            momentum_done.record()
-        timed = scalars is None  # (no timing events inside a captured graph)
+        timed = scalars is None  # (no events inside a captured graph)
         if timed:
             self.timer.start("ns")
         orthos = newton_schulz.orthogonalize(batch, *args, overwrite_input=True, squares=squares)

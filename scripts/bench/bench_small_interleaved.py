@@ -20,8 +20,7 @@ captured step took it over), ``dmuon_auto_sync`` (``dmuon_auto`` replayed on the
 ``adamw_mw`` (``adamw`` whose weights are set to ``dmuon_auto``'s before each of its blocks: the
 same kernels as AdamW's on a Muon-trained model's values, which tells what the weights alone do
 to the forward and backward), ``torch_muon`` (``torch.optim.Muon`` on the same matrices + fused
-AdamW), ``dmuon_auto_stagger`` (``dmuon_auto`` with its captured step's lanes staggered:
-``Muon.stagger_lanes``, an experiment). Every step clips by the global norm 1.0 (torchtitan's default): DMuon's variants by
+AdamW). Every step clips by the global norm 1.0 (torchtitan's default): DMuon's variants by
 ``dmuon_titan.clip_grad_norm_(defer_owned=True)``, as the torchtitan plugin does. bf16 autocast on CUDA, as torchtitan's single-device training. ``--h2d`` keeps
 the batches on the host and copies each to the GPU as torchtitan does (a blocking copy: the
 host waits for the compute stream), otherwise they stay on the GPU.
@@ -67,7 +66,6 @@ VARIANTS = (
     "dmuon_auto_sync",
     "adamw_mw",
     "torch_muon",
-    "dmuon_auto_stagger",
 )
 
 #: prefix of the profiler ranges that mark a training step's phases (``--phases``)
@@ -142,7 +140,6 @@ def build(
             async_step=not variant.endswith("_sync"),
             **({} if ns_batch_numel is None else {"ns_batch_numel": ns_batch_numel}),
         )
-        optimizer.stagger_lanes = variant.endswith("_stagger")
         return model, [optimizer]
     if variant in ("adamw", "adamw_mw"):
         return model, [

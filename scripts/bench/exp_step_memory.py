@@ -7,12 +7,11 @@ GiB for DMuon ``auto`` against AdamW's 8.0 in the twentieth session, where the t
 for that stream alone (since ``b8471da`` that step runs on one stream), and the capture
 itself, where two chunks' Newton–Schulz buffers are alive at once instead of one. Each
 process trains ``bench_small_interleaved.py``'s model for ``--steps`` steps (bf16 autocast,
-clip 1.0, batches on the GPU) with ``muon.STEP_LANES`` = ``--lanes`` (and ``--stagger``), then
+clip 1.0, batches on the GPU) with ``muon.STEP_LANES`` = ``--lanes``, then
 prints one line: the peaks of reserved and allocated memory and the GPU time of the last
 steps. Run the settings one after another:
 
-    for a in "adamw" "dmuon_auto --lanes 1" "dmuon_auto --lanes 2" \\
-             "dmuon_auto --lanes 2 --stagger"; do
+    for a in "adamw" "dmuon_auto --lanes 1" "dmuon_auto --lanes 2"; do
         torchrun --standalone --nproc_per_node=1 scripts/bench/exp_step_memory.py --variant $a
     done
 """
@@ -37,20 +36,16 @@ def main() -> None:
     parser.add_argument("--variant", default="dmuon_auto", help="bench_small_interleaved's")
     parser.add_argument("--flavor", default="170M")
     parser.add_argument("--lanes", type=int, default=muon.STEP_LANES)
-    parser.add_argument("--stagger", action="store_true")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     args = parser.parse_args()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     muon.STEP_LANES = args.lanes
     model, optimizers = build(args.variant, args.flavor, device, 2e-3, 5e-4)
-    for optimizer in optimizers:
-        if isinstance(optimizer, muon.Muon):
-            optimizer.stagger_lanes = args.stagger
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.vocab_size, (args.batch, args.seq + 1), generator=generator).to(
         device
@@ -82,10 +77,7 @@ def main() -> None:
     gib = 2**30
     reserved = torch.cuda.max_memory_reserved() / gib if device.type == "cuda" else float("nan")
     allocated = torch.cuda.max_memory_allocated() / gib if device.type == "cuda" else float("nan")
-    print(
-        f"| {args.variant} | {args.lanes} | {args.stagger} | {reserved:.2f} | {allocated:.2f} "
-        f"| {ms:.2f} |"
-    )
+    print(f"| {args.variant} | {args.lanes} | {reserved:.2f} | {allocated:.2f} | {ms:.2f} |")
     end_distributed_run()
 
 

@@ -173,13 +173,12 @@ def test_a_clip_deferred_to_the_captured_step_changes_no_bit():
 
 def on_lanes(rank: int, world_size: int, configs: list[RunConfig]) -> list:
     """:func:`graph_and_eager` of ``configs[0]`` with the captured step's chunks on one
-    stream, then on two (``muon.STEP_LANES``), then on two staggered (``STAGGER_LANES``),
-    counting per setting the chunks put on a side stream while the step is captured and
-    while it is not, and the chunks whose momentum pass waited for another's."""
+    stream, then on two (``muon.STEP_LANES``), counting per setting the chunks put on a side
+    stream while the step is captured and while it is not."""
     from dmuon_titan import muon
 
     runs, counts = [], []
-    lanes, step_chunk = muon.Muon._lane_streams, muon.Muon._step_chunk
+    lanes = muon.Muon._lane_streams
 
     def counted_lanes(self, chunks, group):
         streams = lanes(self, chunks, group)
@@ -187,17 +186,11 @@ def on_lanes(rank: int, world_size: int, configs: list[RunConfig]) -> list:
         counts[-1][key] += sum(s is not None for s in streams)
         return streams
 
-    def counted_chunk(self, chunk, group, coefficients, scalars, after=None, done=None):
-        counts[-1]["waited"] += after is not None
-        return step_chunk(self, chunk, group, coefficients, scalars, after, done)
-
-    for count, stagger in ((1, False), (2, False), (2, True)):
-        counts.append({"captured": 0, "eager": 0, "waited": 0})
+    for count in (1, 2):
+        counts.append({"captured": 0, "eager": 0})
         with (
             mock.patch.object(muon, "STEP_LANES", count),
-            mock.patch.object(muon, "STAGGER_LANES", stagger),
             mock.patch.object(muon.Muon, "_lane_streams", counted_lanes),
-            mock.patch.object(muon.Muon, "_step_chunk", counted_chunk),
         ):
             runs += graph_and_eager(rank, world_size, configs[:1])
     return [runs, counts]
@@ -206,21 +199,18 @@ def on_lanes(rank: int, world_size: int, configs: list[RunConfig]) -> list:
 def test_the_captured_step_on_two_streams_changes_no_bit():
     """float32, the toy's chunks (its attention matrices, its FFN matrices with their
     transposes): on two streams (``STEP_LANES = 2``; the capture puts a chunk on the side
-    stream, the eager first step none), staggered (each chunk's momentum pass after the
-    previous chunk's) or not, the weights after 5 steps equal those of the one-stream step
-    bit for bit, captured once and replayed for the rest while the gradients move."""
+    stream, the eager first step none) the weights after 5 steps equal those of the
+    one-stream step bit for bit, captured once and replayed for the rest while the
+    gradients move."""
     cfg = RunConfig(param_dtype=torch.float32, ns_dtype=torch.float32, device="cuda")
-    (one, two, staggered), counts = run_ranks(on_lanes, 1, [cfg], backend="nccl")[0]
-    assert counts[0] == {"captured": 0, "eager": 0, "waited": 0}, counts
+    (one, two), counts = run_ranks(on_lanes, 1, [cfg], backend="nccl")[0]
+    assert counts[0] == {"captured": 0, "eager": 0}, counts
     assert counts[1]["captured"] >= 1 and counts[1]["eager"] == 0, counts
-    assert counts[1]["waited"] == 0 and counts[2]["waited"] >= 1, counts
-    assert counts[2]["captured"] == counts[1]["captured"] and counts[2]["eager"] == 0, counts
-    for run in (one, two, staggered):
+    for run in (one, two):
         assert run["captures"] == 1 and run["replays"] == cfg.steps - 1
     init = initial_state(cfg)
     assert any(not torch.equal(two["weights"][k].cpu(), init[k].cpu()) for k in init)
-    for run in (two, staggered):
-        assert all(torch.equal(one["weights"][k], run["weights"][k]) for k in init)
+    assert all(torch.equal(one["weights"][k], two["weights"][k]) for k in init)
 
 
 #: GPU cycles each replay is held back by (≈ 200 ms): a read or write that does not wait for
