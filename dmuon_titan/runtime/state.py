@@ -224,13 +224,13 @@ class DMuonState:
         return output
 
     def close_scope(self, inside: frozenset[int]) -> None:
-        if self.direct:
-            return
         """A module whose subtree holds the boundaries ``inside`` finished its forward: the
         entries of theirs due next were not reached here (an expert without tokens) and are
         issued now, not when this rank reaches its next boundary, for a peer that runs them
         may be waiting, and this rank may first block in collectives of its own (FSDP2's
         all-gather of the next block)."""
+        if self.direct:
+            return
         cursor = self._pass
         if cursor is None or in_backward():
             return
