@@ -30,6 +30,10 @@
 #               throughput summary and the steps to AdamW's final validation loss
 #   PIN (e.g. "0-3"): run every torchrun under `taskset -c PIN`, so that all runs use the same
 #               host cores (a test of whether core placement is the run-to-run spread)
+#   HOST_PROFILE (e.g. "101-300"): every run under scripts/bench/titan_host_profile.py, cProfile
+#               on for those training steps, into OUTDIR/NAME.prof; the throughput part then
+#               prints scripts/analysis/host_profile.py's comparison of each round's runs
+#               (OUTDIR/host_profile.md). cProfile slows the host: its tok/s are not the loop's
 #   TITAN_ARGS: more torchtitan overrides for every run, e.g. "--training.dataloader.num_workers
 #               1" (batches tokenized ahead in a worker: the loop no longer waits on the data)
 #   Every run's config and overrides are appended to OUTDIR/commands.txt.
@@ -59,9 +63,12 @@ titan() {  # titan NAME VARIANT [overrides...]: VARIANT adamw, dmuon, dmuon_sync
     dmuon_sync) opt=dmuon extra+=(--dmuon.no_async_step) ;;
     dmuon_auto) opt=dmuon extra+=(--dmuon.ns_algorithm auto) ;;
   esac
+  local entry=(-m torchtitan.train)
+  [[ -z ${HOST_PROFILE:-} ]] || entry=(scripts/bench/titan_host_profile.py)
   echo "$name: configs/llm170m_${opt}.toml $* ${extra[*]} ${TITAN_ARGS:-}" >>"$OUT/commands.txt"
-  ${PIN:+taskset -c "$PIN"} torchrun --standalone --nproc_per_node=1 --role rank --tee 3 \
-    -m torchtitan.train \
+  TITAN_PROFILE_STEPS=${HOST_PROFILE:-} TITAN_PROFILE_OUT="$OUT/$name.prof" \
+    ${PIN:+taskset -c "$PIN"} torchrun --standalone --nproc_per_node=1 --role rank --tee 3 \
+    "${entry[@]}" \
     --job.config_file "configs/llm170m_${opt}.toml" --job.dump_folder "$OUT/dump_$name" \
     --metrics.disable_color_printing "$@" "${extra[@]}" ${TITAN_ARGS:-} >"$OUT/$name.log" 2>&1 \
     || { echo "$name failed:"; tail -30 "$OUT/$name.log"; return 1; }
@@ -88,7 +95,11 @@ for part in $PARTS; do
     throughput)
       alternate throughput "${VARIANTS:-adamw dmuon}" --training.steps "$STEPS" \
         --metrics.log_freq 10 --validation.freq 100 --training.dataset pystdlib_shuffled_1
-      summarize 20 "$OUT/throughput.md" "${logs[@]}" ;;
+      summarize 20 "$OUT/throughput.md" "${logs[@]}"
+      if [[ -n ${HOST_PROFILE:-} ]]; then  # (every run against the first: AdamW's first)
+        python3 scripts/analysis/host_profile.py "${logs[@]/%.log/.prof}" --top 20 \
+          | tee "$OUT/host_profile.md" || true
+      fi ;;
     forward)
       alternate forward "adamw dmuon" --training.steps "${FWD_STEPS:-60}" \
         --metrics.log_freq 10 --validation.freq 10 --training.dataset pystdlib_shuffled_1
