@@ -24,7 +24,8 @@ if [[ $# -eq 0 ]]; then
     --baseline adamw
   echo "(On CPU a DMuon step costs more than an AdamW step: Newton-Schulz in float32 on the"
   echo " cores. On GPUs it runs in bf16: llama3-8B on 2 H200s 1.15x AdamW's step time, a 170M"
-  echo " model on one H200 0.93x AdamW's tok/s (median of 22 rounds), less wall-clock to the same loss; see"
+  echo " model on one H200 0.89-0.93x AdamW's tok/s (medians over rounds on several machines),"
+  echo " 0.60x the steps and less wall-clock to the same loss; see"
   echo " README.md, \"Results on GPUs\".)"
   exit 0
 fi
