@@ -23,7 +23,11 @@ to the forward and backward), ``torch_muon`` (``torch.optim.Muon`` on the same m
 AdamW). Every step clips by the global norm 1.0 (torchtitan's default): DMuon's variants by
 ``dmuon_titan.clip_grad_norm_(defer_owned=True)``, as the torchtitan plugin does. bf16 autocast on CUDA, as torchtitan's single-device training. ``--h2d`` keeps
 the batches on the host and copies each to the GPU as torchtitan does (a blocking copy: the
-host waits for the compute stream), otherwise they stay on the GPU.
+host waits for the compute stream), otherwise they stay on the GPU. ``--titan-order`` also runs each
+step in the order of torchtitan's ``train_step``, with its extra host work: ``zero_grad``
+first, the token count and then inputs and labels each copied from the host, and an LR
+scheduler stepped after the optimizer (so that a gap seen in torchtitan but not here can be
+told apart from one of the loop's order).
 
     torchrun --standalone --nproc_per_node=1 scripts/bench/bench_small_interleaved.py --flavor 170M
     torchrun --standalone --nproc_per_node=1 scripts/bench/bench_small_interleaved.py \\
@@ -165,6 +169,14 @@ def main() -> None:
     parser.add_argument("--warmup-rounds", type=int, default=2)
     parser.add_argument("--h2d", action="store_true", help="copy each batch from the host")
     parser.add_argument(
+        "--titan-order",
+        action="store_true",
+        help="each training step in torchtitan's order and with its extra host work (implies "
+        "--h2d): zero_grad first, the token count and then inputs and labels each copied from "
+        "the host (blocking), the loss summed over tokens and divided by that count, and an LR "
+        "scheduler stepped after the optimizer (LambdaLR, linear warm-up over 200 steps)",
+    )
+    parser.add_argument(
         "--ns-batch-numel", type=int, default=None, help="DMuon's ns_batch_numel (its default)"
     )
     parser.add_argument(
@@ -203,8 +215,16 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     add_flavors()
+    args.h2d = args.h2d or args.titan_order
     variants = args.variants.split(",")
     runs = {v: build(v, args.flavor, device, 2e-3, 5e-4, args.ns_batch_numel) for v in variants}
+    schedulers = {  # (--titan-order: torchtitan's warm-up; its factor changes every step)
+        v: [
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 200))
+            for opt in run[1]
+        ]
+        for v, run in runs.items()
+    }
     vocab = runs[variants[0]][0].vocab_size
     generator = torch.Generator().manual_seed(0)
     batches = [
@@ -262,18 +282,37 @@ def main() -> None:
 
         for tokens in batches:
             with phase("forward"):
-                tokens = tokens.to(device)  # (--h2d: torchtitan's blocking copy)
+                if args.titan_order:  # (torchtitan's train_step; its copies block the host)
+                    for opt in optimizers:
+                        opt.zero_grad()
+                    count = (tokens[:, 1:] >= 0).sum().to(device)
+                    inputs, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+                else:
+                    tokens = tokens.to(device)  # (--h2d: torchtitan's blocking copy)
+                    inputs, labels = tokens[:, :-1], tokens[:, 1:]
                 with autocast:
-                    logits = model(tokens[:, :-1])
+                    logits = model(inputs)
             with phase("backward"):
-                loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+                if args.titan_order:
+                    loss = (
+                        F.cross_entropy(
+                            logits.float().flatten(0, 1), labels.flatten(), reduction="sum"
+                        )
+                        / count.float()
+                    )
+                else:
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
                 loss.backward()
             with phase("clip"):
                 clip(model, variant, 1.0)
             with phase("step"):
                 for opt in optimizers:
                     opt.step()
-                    opt.zero_grad()
+                    if not args.titan_order:
+                        opt.zero_grad()
+                if args.titan_order:
+                    for scheduler in schedulers[variant]:
+                        scheduler.step()
 
     @torch.no_grad()
     def forward_block(model, _optimizers) -> None:
@@ -339,7 +378,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
         f"llama3 {args.flavor}, 1 x {name}, {tokens} tokens a step, {args.rounds} rounds of "
-        f"{args.block} steps per variant, batches {'copied from the host' if args.h2d else 'on the GPU'} "
+        f"{args.block} steps per variant, batches {'copied from the host' if args.h2d else 'on the GPU'}{', torchtitan order' if args.titan_order else ''} "
         "(medians; ratio: AdamW's step time / the variant's)"
     )
     print(
