@@ -11,7 +11,7 @@ differs most between the first run and each other: what the second optimizer's h
 more of, waits included. cProfile slows every Python call, so absolute times run high and a
 host-bound loop becomes more so; compare runs profiled alike.
 
-    scripts/run/small_scale.sh OUT throughput   # with HOST_PROFILE=1: OUT/NAME.prof per run
+    HOST_PROFILE=101-300 scripts/run/small_scale.sh OUT throughput   # OUT/NAME.prof per run
     python3 scripts/analysis/host_profile.py OUT/throughput_adamw_w_1.prof \\
         OUT/throughput_dmuon_auto_w_1.prof
 """

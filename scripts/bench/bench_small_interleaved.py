@@ -218,11 +218,15 @@ def main() -> None:
     args.h2d = args.h2d or args.titan_order
     variants = args.variants.split(",")
     runs = {v: build(v, args.flavor, device, 2e-3, 5e-4, args.ns_batch_numel) for v in variants}
-    schedulers = {  # (--titan-order: torchtitan's warm-up; its factor changes every step)
+    # --titan-order: torchtitan's warm-up, whose factor changes every step (made only then: a
+    # LambdaLR sets its first factor on the optimizers as it is made)
+    schedulers = {
         v: [
             torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 200))
             for opt in run[1]
         ]
+        if args.titan_order
+        else []
         for v, run in runs.items()
     }
     vocab = runs[variants[0]][0].vocab_size
@@ -310,9 +314,8 @@ def main() -> None:
                     opt.step()
                     if not args.titan_order:
                         opt.zero_grad()
-                if args.titan_order:
-                    for scheduler in schedulers[variant]:
-                        scheduler.step()
+                for scheduler in schedulers[variant]:  # (--titan-order)
+                    scheduler.step()
 
     @torch.no_grad()
     def forward_block(model, _optimizers) -> None:

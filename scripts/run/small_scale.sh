@@ -32,8 +32,8 @@
 #               host cores (a test of whether core placement is the run-to-run spread)
 #   HOST_PROFILE (e.g. "101-300"): every run under scripts/bench/titan_host_profile.py, cProfile
 #               on for those training steps, into OUTDIR/NAME.prof; the throughput part then
-#               prints scripts/analysis/host_profile.py's comparison of each round's runs
-#               (OUTDIR/host_profile.md). cProfile slows the host: its tok/s are not the loop's
+#               prints scripts/analysis/host_profile.py's comparison of every run with the
+#               first (OUTDIR/host_profile.md). cProfile slows the host: its tok/s are not the loop's
 #   TITAN_ARGS: more torchtitan overrides for every run, e.g. "--training.dataloader.num_workers
 #               1" (batches tokenized ahead in a worker: the loop no longer waits on the data)
 #   Every run's config and overrides are appended to OUTDIR/commands.txt.
