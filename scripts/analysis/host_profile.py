@@ -54,7 +54,13 @@ def summarize(path: str) -> tuple[int, dict[str, float | None], dict[tuple, floa
     """(training steps, milliseconds per step of each part, own seconds per step of every
     function keyed by (file, function))."""
     stats = pstats.Stats(path)
-    steps = max((c for _, c, _ in _entries(stats, "torchtitan/train.py", "train_step")), default=0)
+    # One LR-scheduler step per training step, whatever the gradient accumulation. (train_step's
+    # own count is not used: cProfile switched on inside a call counts that call's frames
+    # unreliably, e.g. 57 of 200 steps in the twenty-third session's first profiles.)
+    steps = max(
+        (c for _, c, _ in _entries(stats, "torchtitan/components/lr_scheduler.py", "step")),
+        default=0,
+    )
     per_step = max(steps, 1)
     parts: dict[str, float | None] = {}
     for label, suffix, name in PARTS:

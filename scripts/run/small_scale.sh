@@ -13,7 +13,9 @@
 #               rounds of FWD_STEPS (default 60) training steps with a validation of the whole
 #               split every 10: median validation tok/s per run (the first validation,
 #               at step 1, left out)
-#   profile     one profiled step (30) of each, for scripts/analysis/trace_summary.py
+#   profile     PROFILE_ACTIVE (default 1) profiled steps ending at step 60 of each of
+#               PROFILE_VARIANTS (default "adamw dmuon"), for scripts/analysis/trace_summary.py
+#               and scripts/analysis/gpu_gaps.py
 #   loss        time-to-loss: SEEDS (default "1 2 3") x LOSS_SPECS (default "adamw:5e-4
 #               dmuon:2e-3", VARIANT:lr, e.g. "dmuon_auto:2e-3"; AdamW at 5e-4 and DMuon at 2e-3
 #               are each one's best in docs/benchmarks.md's sweep; the first spec is the
@@ -105,9 +107,10 @@ for part in $PARTS; do
         --metrics.log_freq 10 --validation.freq 10 --training.dataset pystdlib_shuffled_1
       summarize 1 "$OUT/forward.md" "${logs[@]}" ;;
     profile)
-      for opt in adamw dmuon; do
-        titan "profile_$opt" "$opt" --training.steps 32 --validation.no-enable \
-          --profiling.enable_profiling --profiling.profile_freq 30 \
+      for opt in ${PROFILE_VARIANTS:-adamw dmuon}; do
+        titan "profile_$opt" "$opt" --training.steps 62 --validation.no-enable \
+          --profiling.enable_profiling --profiling.profile_freq 60 \
+          --profiling.profiler_active "${PROFILE_ACTIVE:-1}" --profiling.profiler_warmup 3 \
           --profiling.save_traces_folder profile_traces
       done ;;
     loss)
