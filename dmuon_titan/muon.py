@@ -184,6 +184,12 @@ class Muon(torch.optim.Optimizer):
         self._stepped: set[int] | None = None
         #: the side streams of a captured step's lanes (``_lane_streams``), made on first use
         self._side_lanes: list[torch.cuda.Stream] | None = None
+        #: (module slots, attribute, parameter) per dedicated matrix, as follow_model last
+        #: left the Muon group (None: not yet)
+        self._followed: list[tuple[dict, str, torch.Tensor]] | None = None
+        #: the last captured step's matrices in chunk order, while a step of the same
+        #: matrices may reuse them (see ``_steady_matrices``); None: not known
+        self._steady: list[torch.Tensor] | None = None
         #: (the matrices' ids, those matrices in chunk order): ``_in_chunk_order``'s last
         self._chunk_order: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
         if self._dmuon is not None:  # (its forward, backward and state dicts wait for it)
@@ -206,7 +212,7 @@ class Muon(torch.optim.Optimizer):
         the dedicated slots are followed (their state moves along), and an AdamW parameter
         left on the meta device is an error naming it.
         """
-        if self._dmuon is not None:
+        if self._dmuon is not None and not self._still_followed():
             held = self.param_groups[0]["params"]
             stepped = set()
             for i, p in enumerate(self._dmuon.params):
@@ -218,6 +224,10 @@ class Muon(torch.optim.Optimizer):
                 if p.is_owner:
                     stepped.add(id(owned))
             self._stepped = stepped
+            self._followed = [
+                (p.module._parameters, p.attr, held[i]) for i, p in enumerate(self._dmuon.params)
+            ]
+            self._steady = None
         for p in self.param_groups[1]["params"]:
             if p.is_meta:
                 name = self._names.get(id(p), f"of shape {tuple(p.shape)}")
@@ -226,6 +236,19 @@ class Muon(torch.optim.Optimizer):
                     "build the optimizer after model.to_empty(...) (FSDP2 parameters survive "
                     "to_empty, parameters of modules without fully_shard do not)"
                 )
+
+    def _still_followed(self) -> bool:
+        """Whether every dedicated slot still holds the parameter :meth:`follow_model` last
+        put in the Muon group (then there is nothing to follow: the usual step, checked at
+        a fraction of the host time of following)."""
+        followed = self._followed
+        if followed is None:
+            return False
+        held = self.param_groups[0]["params"]
+        return len(held) == len(followed) and all(
+            slots.get(attr) is param and current is param
+            for (slots, attr, param), current in zip(followed, held, strict=True)
+        )
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -309,19 +332,28 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         coefficients = newton_schulz.normalize_coefficients(group["ns_coefficients"])
-        stepped = self._stepped_ids()
-        todo = [p for p in group["params"] if p.grad is not None and id(p) in stepped]
-        stacks = [p for p in todo if p.ndim == 3]
-        todo = [p for p in todo if p.ndim == 2]
-        shared = self._dmuon.shared_ns if self._dmuon is not None else None
-        mine = []
-        if shared is not None:  # (every rank: the row's NS is collective)
-            mine = [p for p in todo if dedicated_of(p).shared_ns]
-            todo = [p for p in todo if not dedicated_of(p).shared_ns]
-        captured = self._graph_eligible(group, todo)
-        if captured:  # (in chunk order: each chunk's rows of the step's tables consecutive)
-            todo = self._in_chunk_order(todo)
-            buffers = [self._momentum_buffer(p) for p in todo]  # (made by the check above)
+        steady = self._steady_matrices(group)
+        if steady is not None:  # (the held graph's matrices again, as the checks below find)
+            todo, buffers, key, addresses = steady
+            stacks, mine, shared, captured = [], [], None, True
+        else:
+            stepped = self._stepped_ids()
+            todo = [p for p in group["params"] if p.grad is not None and id(p) in stepped]
+            stacks = [p for p in todo if p.ndim == 3]
+            todo = [p for p in todo if p.ndim == 2]
+            shared = self._dmuon.shared_ns if self._dmuon is not None else None
+            mine = []
+            if shared is not None:  # (every rank: the row's NS is collective)
+                mine = [p for p in todo if dedicated_of(p).shared_ns]
+                todo = [p for p in todo if not dedicated_of(p).shared_ns]
+            captured = self._graph_eligible(group, todo)
+            key = addresses = None
+            self._steady = None
+            if captured:  # (in chunk order: each chunk's rows of the step's tables consecutive)
+                todo = self._in_chunk_order(todo)
+                buffers = [self._momentum_buffer(p) for p in todo]  # (made by the check above)
+                if len(todo) == len(stepped):  # (every matrix stepped: the usual step)
+                    self._steady = todo
         # A clip's factor the gradients still owe (DMuonState.defer_grad_scale): the captured
         # step multiplies each gradient by it as its momentum pass reads it (and the factor
         # stays owed); every other path first multiplies the gradients, as the clip would have.
@@ -342,12 +374,50 @@ class Muon(torch.optim.Optimizer):
             def body(scalars: StepScalars) -> None:
                 self._step_matrices(group, todo, coefficients, scalars)
 
-            if self.step_graph.run(group, todo, buffers, body, factor if in_graph else None):
+            grad_scale = factor if in_graph else None
+            if self.step_graph.run(group, todo, buffers, body, grad_scale, key, addresses):
                 if in_graph and not self._dmuon.defer_grad_scale(factor, in_graph):
                     scale_gradients_(in_graph, factor)  # (not multiplied: settled now)
                 return
             scale_gradients_(in_graph, factor)  # (no graph after all)
         self._step_matrices(group, todo, coefficients)
+
+    def _steady_matrices(self, group: dict[str, Any]):
+        """(matrices in chunk order, their momentum buffers, the step graph's key, the
+        gradients' addresses) when this step is the usual one: every matrix this rank steps
+        has a gradient, the held graph's key is unchanged and :meth:`_graph_eligible` holds
+        as it did when the graph was recorded; else None (the full checks decide). The
+        same facts as those checks, in one pass over the matrices: a step's host time is
+        the loop's time in a host-bound one-GPU loop (docs/benchmarks.md, twenty-third
+        session)."""
+        todo, graph = self._steady, self.step_graph
+        if (
+            todo is None
+            or graph.graph is None
+            or not (self.options.cuda_graph and not graph.disabled and fused.enabled())
+            or group["ns_dtype"] == torch.float16
+            or fused._capturing()
+        ):
+            return None
+        state, plain, dtype = self.state, torch.Tensor, todo[0].dtype
+        buffers, addresses, entries = [], [], []
+        for p in todo:
+            grad, buffer = p.grad, state[p].get("momentum_buffer")
+            if (
+                grad is None
+                or type(grad) is not plain
+                or grad.dtype != dtype
+                or buffer is None
+                or not grad.is_contiguous()
+            ):
+                return None
+            buffers.append(buffer)
+            addresses.append(grad.data_ptr())
+            entries.append((id(p), p.data_ptr(), buffer.data_ptr(), tuple(p.shape), grad.dtype))
+        key = graph.key_of(group, entries)
+        if key != graph.key:  # (recorded anew: after the full checks)
+            return None
+        return todo, buffers, key, addresses
 
     def _graph_eligible(self, group: dict[str, Any], todo: list[torch.Tensor]) -> bool:
         """Whether the matrices' step may run as a CUDA graph (see ``cuda_graph``): the

@@ -188,6 +188,17 @@ class StepScalars:
         self._addresses = addresses
 
 
+def _current_raw_stream(device: torch.device) -> int | None:
+    """The current CUDA stream's handle on ``device``, cheaply (no ``torch.cuda.Stream``
+    made); None where torch does not offer it."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return (
+        get(device.index if device.index is not None else torch.cuda.current_device())
+        if get
+        else None
+    )
+
+
 class MuonStepGraph:
     """Capture and replay of one Muon group's step (see the module doc)."""
 
@@ -211,15 +222,26 @@ class MuonStepGraph:
         #: the gradients the last asynchronous replay reads, until the next :meth:`wait`
         self._held: list[torch.Tensor] = []
         self._held_stream: torch.cuda.Stream | None = None
+        #: (replays, raw stream) of the last wait: that stream follows that many replays
+        self._waited: tuple[int, int | None] | None = None
 
     @staticmethod
-    def _key(group: dict[str, Any], params: list[torch.Tensor], buffers) -> tuple:
+    def key_of(group: dict[str, Any], entries) -> tuple:
+        """A graph's key: what it bakes in of ``group``, then per matrix (its id, its and
+        its momentum buffer's addresses, its shape, its gradient's dtype), ``entries``."""
         baked = tuple(
             str(group[k]) for k in ("momentum", "nesterov", "ns_steps", "eps", "ns_dtype")
         ) + (str(group["ns_coefficients"]), str(group["adjust_lr_fn"]))
-        return baked + tuple(
-            (id(p), p.data_ptr(), b.data_ptr(), tuple(p.shape), p.grad.dtype)
-            for p, b in zip(params, buffers, strict=True)
+        return baked + tuple(entries)
+
+    @staticmethod
+    def _key(group: dict[str, Any], params: list[torch.Tensor], buffers) -> tuple:
+        return MuonStepGraph.key_of(
+            group,
+            (
+                (id(p), p.data_ptr(), b.data_ptr(), tuple(p.shape), p.grad.dtype)
+                for p, b in zip(params, buffers, strict=True)
+            ),
         )
 
     def run(
@@ -229,15 +251,21 @@ class MuonStepGraph:
         buffers: list[torch.Tensor],
         body: Callable[[StepScalars], None],
         grad_scale: torch.Tensor | None = None,
+        key: tuple | None = None,
+        addresses: list[int] | None = None,
     ) -> bool:
         """Run the step by the graph (capturing it first if needed); ``False``: it was
         not (the caller steps eagerly). ``body(scalars)`` issues the step's kernels, each
         matrix's gradient read through ``scalars.gradient_slot`` and multiplied by
-        ``scalars.grad_scale``, which holds ``grad_scale`` (0-d float32; None: 1)."""
+        ``scalars.grad_scale``, which holds ``grad_scale`` (0-d float32; None: 1). ``key``
+        and ``addresses`` (the gradients'): computed by the caller already (see
+        :meth:`key_of`), or None."""
         if self.disabled:
             return False
-        key = self._key(group, params, buffers)
-        addresses = [p.grad.data_ptr() for p in params]
+        if key is None:
+            key = self._key(group, params, buffers)
+        if addresses is None:
+            addresses = [p.grad.data_ptr() for p in params]
         recording = (
             not self.warmed
             or self.graph is None
@@ -316,14 +344,22 @@ class MuonStepGraph:
     def wait(self) -> None:
         """Make the current stream wait (on the GPU) for the last replay; nothing without
         asynchronous replays, or while the current stream is being captured (a wait on an
-        outside event would void it)."""
-        if self.done is not None and not torch.cuda.is_current_stream_capturing():
-            current = torch.cuda.current_stream(self.stream.device)
-            current.wait_event(self.done)
-            if current == self._held_stream:
-                # The gradients' stream: their memory freed from here on is reused behind
-                # the replay (the caching allocator hands a block out again on its stream).
-                self._held = []
+        outside event would void it), or where the current stream already waited for that
+        replay (the forward asks at its root and at every block: one wait is enough)."""
+        if self.done is None:
+            return
+        raw = _current_raw_stream(self.stream.device)
+        if raw is not None and self._waited == (self.replays, raw):
+            return  # (this stream's work from here on follows that replay already)
+        if torch.cuda.is_current_stream_capturing():
+            return
+        current = torch.cuda.current_stream(self.stream.device)
+        current.wait_event(self.done)
+        self._waited = (self.replays, raw)
+        if current == self._held_stream:
+            # The gradients' stream: their memory freed from here on is reused behind
+            # the replay (the caching allocator hands a block out again on its stream).
+            self._held = []
 
     def _share_with_side_stream(self, params: list[torch.Tensor], buffers) -> None:
         """Tell the caching allocator that the side stream uses what the graph reads and

@@ -17,6 +17,11 @@ Muon on the default matrices, fused AdamW on the rest, the captured step on its 
 and the symmetric kernel where they are faster; same math, other rounding), ``dmuon_auto_clipnow``
 (``dmuon_auto`` with the clip's multiply of the owned gradients done by the clip, as before the
 captured step took it over), ``dmuon_auto_sync`` (``dmuon_auto`` replayed on the compute stream),
+``dmuon_auto_nowait`` (``dmuon_auto`` whose forward does not wait for the step in flight: its
+weights race the step, so only its timing means anything, a bound on what overlapping the
+step with the forward could gain), ``dmuon_auto_full`` (``dmuon_auto`` with the host work it
+had before the twenty-third session: the full checks every step, every block's wait asked of
+the GPU),
 ``adamw_mw`` (``adamw`` whose weights are set to ``dmuon_auto``'s before each of its blocks: the
 same kernels as AdamW's on a Muon-trained model's values, which tells what the weights alone do
 to the forward and backward), ``torch_muon`` (``torch.optim.Muon`` on the same matrices + fused
@@ -68,6 +73,8 @@ VARIANTS = (
     "dmuon_auto",
     "dmuon_auto_clipnow",
     "dmuon_auto_sync",
+    "dmuon_auto_nowait",
+    "dmuon_auto_full",
     "adamw_mw",
     "torch_muon",
 )
@@ -144,6 +151,13 @@ def build(
             async_step=not variant.endswith("_sync"),
             **({} if ns_batch_numel is None else {"ns_batch_numel": ns_batch_numel}),
         )
+        if variant.endswith("_nowait"):  # (a bound on timing only: the forward races the step)
+            optimizer._dmuon.wait_for_step = lambda: None
+        if variant.endswith("_full"):  # every step's full checks, every wait asked of the GPU
+            optimizer._steady_matrices = lambda group: None
+            optimizer._still_followed = lambda: False
+            graph, wait = optimizer.step_graph, optimizer.step_graph.wait
+            graph.wait = lambda: (setattr(graph, "_waited", None), wait())[1]
         return model, [optimizer]
     if variant in ("adamw", "adamw_mw"):
         return model, [
@@ -200,6 +214,12 @@ def main() -> None:
         default=0,
         help="then this many blocks per variant with cProfile on around the clip and the step "
         "(with zero_grad): the host's time in them by function, per step",
+    )
+    parser.add_argument(
+        "--wait-cost",
+        action="store_true",
+        help="then the host's time per call of each DMuon variant's wait_for_step (the forward "
+        "calls it once per block and once at the root)",
     )
     parser.add_argument(
         "--trace-dir",
@@ -464,6 +484,16 @@ def main() -> None:
             print(
                 f"({v}'s graph: {record.captures} capture(s), {record.replays} replays, "
                 f"given up: {record.disabled})"
+            )
+    for v in variants if args.wait_cost and device.type == "cuda" else ():
+        if v.startswith("dmuon"):
+            state, calls = runs[v][1][0]._dmuon, 2000
+            sync()
+            begin = time.perf_counter()
+            for _ in range(calls):
+                state.wait_for_step()
+            print(
+                f"({v}: wait_for_step {(time.perf_counter() - begin) / calls * 1e6:.1f} us a call)"
             )
     end_distributed_run()
 

@@ -358,3 +358,42 @@ def test_shared_newton_schulz_in_bfloat16_on_the_gpu():
         whole_error = ((whole.double() - exact).norm() / exact.norm()).item()
         shared_error = ((shared.double() - exact).norm() / exact.norm()).item()
         assert shared_error <= 1.25 * whole_error, (shape, shared_error, whole_error)
+
+
+def forward_wait_counts(rank: int, world_size: int, configs: list[RunConfig]) -> list[list[int]]:
+    """After some steps, the stream waits each forward asks of the GPU (``wait_event``):
+    one after a step, none again on the same stream, one on another stream."""
+    cfg = configs[0]
+    model, optimizer = build_dmuon(cfg, world_size)
+    for step in range(3):
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    tokens = batch(cfg, 0).to(cfg.device)
+    waits = []
+    original = torch.cuda.Stream.wait_event
+
+    def counted(stream, event):
+        waits[-1] += 1
+        return original(stream, event)
+
+    side = torch.cuda.Stream()
+    with mock.patch.object(torch.cuda.Stream, "wait_event", counted), torch.no_grad():
+        for stream in (None, None, side, None):
+            waits.append(0)
+            with (
+                torch.cuda.stream(stream)
+                if stream is not None
+                else torch.cuda.stream(torch.cuda.current_stream())
+            ):
+                model(tokens)
+    torch.cuda.synchronize()
+    return [waits]
+
+
+def test_a_forward_waits_for_the_step_in_flight_once_per_stream():
+    """The root and every block of the forward ask to wait for the asynchronous step; the
+    GPU is asked once per stream and replay: once after a step, not again in a second
+    forward on that stream, once on another stream, once more back on the first (its
+    wait was recorded for the other)."""
+    cfg = RunConfig(ns_dtype=torch.bfloat16, device="cuda", steps=3)
+    (counts,) = run_ranks(forward_wait_counts, 1, [cfg], backend="nccl")[0]
+    assert counts == [1, 0, 1, 1]

@@ -51,7 +51,13 @@ def _stand_in_graph(graph: bool, optimizer: Muon):
         "_capture",
         lambda self, body: _ReplayedBody(body, self, optimizer),
     )
-    with eligible if graph else contextlib.nullcontext(), capture:
+    # (the usual step's short checks ask for the Triton kernels, which CPU tensors never run)
+    kernels = mock.patch.object(fused, "enabled", lambda: True)
+    with (
+        eligible if graph else contextlib.nullcontext(),
+        kernels if graph else contextlib.nullcontext(),
+        capture,
+    ):
         yield
 
 
@@ -231,6 +237,31 @@ def test_new_gradients_every_step_are_read_through_the_table_without_a_recapture
     assert record.params and all(p.grad is None for p in record.params)
     eager, _ = _train(cpu_mesh, graph=False, steps=8, keep_grads=False)
     assert max((eager[k] - graphed[k]).abs().max().item() for k in eager) <= 1e-14
+
+
+def test_the_usual_step_replays_after_the_short_checks_and_steps_alike(cpu_mesh):
+    """From the first replay on, a step of the same matrices with new gradients takes
+    ``_steady_matrices`` (one pass over the matrices instead of the full eligibility checks,
+    the chunking and the key): the same replays, the same weights as the eager step; a
+    matrix left without a gradient sends the step back to the full checks."""
+    taken = []
+    original = Muon._steady_matrices
+
+    def spy(self, group):
+        out = original(self, group)
+        taken.append(out is not None)
+        return out
+
+    with mock.patch.object(Muon, "_steady_matrices", spy):
+        graphed, record = _train(cpu_mesh, graph=True, steps=8, keep_grads=False)
+    assert taken == [False, False] + [True] * 6  # (the eager first step, the capture)
+    assert record.captures == 1 and record.replays == 7
+    eager, _ = _train(cpu_mesh, graph=False, steps=8, keep_grads=False)
+    assert max((eager[k] - graphed[k]).abs().max().item() for k in eager) <= 1e-14
+    taken.clear()
+    with mock.patch.object(Muon, "_steady_matrices", spy):
+        _, record = _train(cpu_mesh, graph=True, steps=6, keep_grads=False, freeze_at=4)
+    assert taken == [False, False, True, True, False, False] and record.captures == 2
 
 
 def test_a_matrix_without_a_gradient_is_skipped_as_torch_optim_skips_it(cpu_mesh):
