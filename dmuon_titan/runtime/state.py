@@ -41,6 +41,32 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class WeakList:
+    """Objects held weakly, in the order added: iterating it costs a weak reference call per
+    object, where a ``weakref.WeakSet``'s iteration guard cost the forward's 13 waits about
+    0.1 ms of host time (docs/benchmarks.md, twenty-third session)."""
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref] = []
+
+    def add(self, obj) -> None:
+        if obj not in self:
+            self.refs.append(weakref.ref(obj, self._drop))
+
+    def _drop(self, ref: weakref.ref) -> None:
+        if ref in self.refs:
+            self.refs.remove(ref)
+
+    def __iter__(self):
+        return (obj for ref in self.refs if (obj := ref()) is not None)
+
+    def __len__(self) -> int:
+        return sum(ref() is not None for ref in self.refs)
+
+    def __contains__(self, obj) -> bool:
+        return any(ref() is obj for ref in self.refs)
+
+
 def get_state(model: nn.Module) -> DMuonState:
     state = getattr(model, STATE_ATTR, None)
     if state is None:
@@ -102,7 +128,7 @@ class DMuonState:
         #: the optimizers' captured steps (``dmuon_titan.step_graph``): with ``async_step``
         #: they run on a side stream, and what reads the matrices waits for them (weak: an
         #: optimizer dropped for a new one takes its graph along)
-        self.step_graphs: weakref.WeakSet = weakref.WeakSet()
+        self.step_graphs = WeakList()
         #: the DMuon optimizers (``dmuon_titan.Muon``) that step the owned matrices
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
         #: a gradient clip's factor the owned gradients still owe (:meth:`defer_grad_scale`):
@@ -506,8 +532,10 @@ class DMuonState:
     def wait_for_step(self) -> None:
         """The current stream waits (on the GPU) for an optimizer step still in flight on its
         own stream (``Muon(async_step=True)``); nothing otherwise."""
-        for graph in self.step_graphs:
-            graph.wait()
+        for ref in self.step_graphs.refs:
+            graph = ref()
+            if graph is not None:
+                graph.wait()
 
     def ensure_replicas_synced(self) -> None:
         if not self._replicas_synced:
