@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -11,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .runtime.owned_param import dedicated_of, is_dedicated
+from .runtime.owned_param import DEDICATED_ATTR, dedicated_of
 from .runtime.state import STATE_ATTR, DMuonState
 
 
@@ -77,28 +78,33 @@ def clip_grads_(
         )
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
-    sharded, plain, owned, masters = [], [], [], []
+    # One pass: ``local`` keeps this process's whole gradients (plain and owned) in parameter
+    # order; the owned ones are also listed apart for their all-reduce and the deferral.
+    sharded, local, owned, masters = [], [], [], []
     seen: set[int] = set()
+    dtypes: set[torch.dtype] = set()
     for p in parameters:
-        if p.grad is None or id(p) in seen:
+        grad = p.grad
+        if grad is None or id(p) in seen:
             continue
         seen.add(id(p))
-        if is_dedicated(p):
+        dtypes.add(grad.dtype)
+        if hasattr(p, DEDICATED_ATTR):
             if p.numel() > 0:  # the owner's master; placeholders have no elements
-                owned.append(p.grad)
+                local.append(grad)
+                owned.append(grad)
                 masters.append(p)
-        elif isinstance(p.grad, DTensor):
-            sharded.append(p.grad)
+        elif isinstance(grad, DTensor):
+            sharded.append(grad)
         else:
-            plain.append(p.grad)
-    grads = sharded + plain + owned
-    dtype = torch.float32
-    for g in grads:
-        dtype = torch.promote_types(dtype, g.dtype)
+            local.append(grad)
+    dtype = functools.reduce(torch.promote_types, dtypes, torch.float32)
     if states:
         device = states[0].device
-    elif grads:
-        device = (sharded[0].to_local() if sharded else grads[0]).device
+    elif sharded:
+        device = sharded[0].to_local().device
+    elif local:
+        device = local[0].device
     else:
         device = torch.device("cpu")
 
@@ -115,16 +121,26 @@ def clip_grads_(
         all_reduce(norm, op=dist.ReduceOp.SUM)
         return norm.pow(1.0 / norm_type)
 
-    parts = [local_norm(plain)]
-    if sharded:
-        norm = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach)
-        parts.append(norm.full_tensor().to(device, dtype))
-    owned_norm = local_norm(owned)
-    if states and states[0].mesh.world_size > 1:
-        owned_norm = combine(owned_norm, states[0].comm.all_reduce)
-    parts.append(owned_norm)
-    stacked = torch.stack(parts)
-    total_norm = stacked.max() if inf else torch.linalg.vector_norm(stacked, norm_type)
+    # (decided by what is the same on every rank: an owner and a rank without owned matrices
+    # must join the same all-reduce)
+    across = bool(sharded) or bool(states and states[0].mesh.world_size > 1)
+    if not across and len(dtypes) <= 1:
+        # Nothing to combine across processes and one dtype: one norm over them all, as
+        # torch.nn.utils.clip_grad_norm_ takes it (the same value, bit for bit, and one
+        # foreach launch: at small scale the host time of the clip is the step's).
+        total_norm = local_norm(local)
+    else:
+        owned_ids = {id(g) for g in owned}
+        parts = [local_norm([g for g in local if id(g) not in owned_ids])]
+        if sharded:
+            norm = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach)
+            parts.append(norm.full_tensor().to(device, dtype))
+        owned_norm = local_norm(owned)
+        if states and states[0].mesh.world_size > 1:  # (every rank, owner or not)
+            owned_norm = combine(owned_norm, states[0].comm.all_reduce)
+        parts.append(owned_norm)
+        stacked = torch.stack(parts)
+        total_norm = stacked.max() if inf else torch.linalg.vector_norm(stacked, norm_type)
     if pp_mesh is not None and pp_mesh.size() > 1:
         group = pp_mesh.get_group()
         total_norm = combine(total_norm, lambda t, op: dist.all_reduce(t, op=op, group=group))
@@ -133,11 +149,14 @@ def clip_grads_(
         raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")
     clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     if defer_owned:
-        owned = _defer_owned(masters, clip_coef, states)
+        now = _defer_owned(masters, clip_coef, states)
     # One foreach multiply per (device, dtype), as torch's clip_grads_with_norm_ does: a
     # Python loop over every gradient costs milliseconds of host time at small scale.
+    if defer_owned and owned:
+        deferred = {id(g) for g in owned} - {id(g) for g in now}
+        local = [g for g in local if id(g) not in deferred]
     by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for g in [g.to_local() for g in sharded] + plain + owned:
+    for g in [g.to_local() for g in sharded] + local:
         by_kind.setdefault((g.device, g.dtype), []).append(g)
     for (g_device, g_dtype), same in by_kind.items():
         coef = clip_coef.to(device=g_device, dtype=g_dtype)
