@@ -7,12 +7,15 @@
 #               VARIANTS (default "adamw dmuon") may add dmuon_sync (async_step off: the
 #               captured step on the compute stream) and dmuon_auto (ns_algorithm "auto"); a
 #               variant ending in _w (adamw_w, dmuon_auto_w, ...) runs with one data-loader
-#               worker (num_workers 1, prefetch_factor 4), so that one call compares the loop
-#               with and without it on the same lease
-#   forward     forward-only (validation) throughput: AdamW and DMuon alternating, ROUNDS
-#               rounds of FWD_STEPS (default 60) training steps with a validation of the whole
-#               split every 10: median validation tok/s per run (the first validation,
-#               at step 1, left out)
+#               worker (num_workers 1, prefetch_factor 4) for training and one persistent
+#               worker for validation, so that one call compares the loop with and without
+#               them on the same lease (a persistent validation worker goes on where the last
+#               validation stopped: other batches each time, so its losses are not comparable
+#               across validations; its throughput no longer counts tokenization)
+#   forward     forward-only (validation) throughput: FWD_VARIANTS (default "adamw dmuon";
+#               the first is the baseline) alternating, ROUNDS rounds of FWD_STEPS (default
+#               60) training steps with a validation of the whole split every 10: median
+#               validation tok/s per run (the first validation, at step 1, left out)
 #   profile     PROFILE_ACTIVE (default 1) profiled steps ending at step 60 of each of
 #               PROFILE_VARIANTS (default "adamw dmuon"), for scripts/analysis/trace_summary.py
 #               and scripts/analysis/gpu_gaps.py
@@ -59,7 +62,9 @@ titan() {  # titan NAME VARIANT [overrides...]: VARIANT adamw, dmuon, dmuon_sync
   shift 2
   if [[ $opt == *_w ]]; then
     opt=${opt%_w}
-    extra=(--training.dataloader.num_workers 1 --training.dataloader.prefetch_factor 4)
+    extra=(--training.dataloader.num_workers 1 --training.dataloader.prefetch_factor 4
+      --validation.dataloader.num_workers 1 --validation.dataloader.persistent_workers
+      --validation.dataloader.prefetch_factor 4)
   fi
   case $opt in
     dmuon_sync) opt=dmuon extra+=(--dmuon.no_async_step) ;;
@@ -103,7 +108,7 @@ for part in $PARTS; do
           | tee "$OUT/host_profile.md" || true
       fi ;;
     forward)
-      alternate forward "adamw dmuon" --training.steps "${FWD_STEPS:-60}" \
+      alternate forward "${FWD_VARIANTS:-adamw dmuon}" --training.steps "${FWD_STEPS:-60}" \
         --metrics.log_freq 10 --validation.freq 10 --training.dataset pystdlib_shuffled_1
       summarize 1 "$OUT/forward.md" "${logs[@]}" ;;
     profile)
