@@ -32,7 +32,9 @@ host waits for the compute stream), otherwise they stay on the GPU. ``--titan-or
 step in the order of torchtitan's ``train_step``, with its extra host work: ``zero_grad``
 first, the token count and then inputs and labels each copied from the host, and an LR
 scheduler stepped after the optimizer (so that a gap seen in torchtitan but not here can be
-told apart from one of the loop's order).
+told apart from one of the loop's order). ``--lag`` tells whether the step's GPU work is
+hidden behind the host's (a step left on the GPU when the next step's blocking copies begin is
+waited for there).
 
     torchrun --standalone --nproc_per_node=1 scripts/bench/bench_small_interleaved.py --flavor 170M
     torchrun --standalone --nproc_per_node=1 scripts/bench/bench_small_interleaved.py \\
@@ -222,6 +224,17 @@ def main() -> None:
         "calls it once per block and once at the root)",
     )
     parser.add_argument(
+        "--lag",
+        type=int,
+        default=0,
+        help="then this many rounds of one block per variant with an event recorded on the "
+        "compute stream at each phase's start, before the model's forward (after the batch's "
+        "copies) and at the step's end (CUDA only): how far the "
+        "GPU runs behind the host there (the event's GPU time less its host time, both from "
+        "the block's start, after a synchronization), medians per step; a lag at the step's "
+        "start is what the next blocking copy waits for",
+    )
+    parser.add_argument(
         "--trace-dir",
         default=None,
         help="with --phases: keep each variant's last profiled block there "
@@ -283,15 +296,20 @@ def main() -> None:
         phases: dict[str, list[float]] | None = None,
         marked: bool = False,
         profiler: cProfile.Profile | None = None,
+        lags: list[tuple[str, torch.cuda.Event, float]] | None = None,
     ) -> None:
         """``--block`` training steps; ``phases``: each step's host seconds per phase
         appended (no synchronization added); ``marked``: each phase a profiler range;
-        ``profiler``: enabled during the clip and the step."""
+        ``profiler``: enabled during the clip and the step; ``lags``: (phase, an event
+        recorded on the current stream, the host's clock) appended at each phase's start,
+        before the model's forward ("model") and at each step's end ("end")."""
         variant = next(v for v, run in runs.items() if run[0] is model)
 
         @contextlib.contextmanager
         def phase(name: str):
             profiled = profiler is not None and name in ("clip", "step")
+            if lags is not None:
+                mark(name)
             if profiled:
                 profiler.enable()
             begin = time.perf_counter()
@@ -304,6 +322,11 @@ def main() -> None:
             if profiled:
                 profiler.disable()
 
+        def mark(name: str) -> None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            lags.append((name, event, time.perf_counter()))
+
         for tokens in batches:
             with phase("forward"):
                 if args.titan_order:  # (torchtitan's train_step; its copies block the host)
@@ -314,6 +337,8 @@ def main() -> None:
                 else:
                     tokens = tokens.to(device)  # (--h2d: torchtitan's blocking copy)
                     inputs, labels = tokens[:, :-1], tokens[:, 1:]
+                if lags is not None:  # (after the copies, which waited for the GPU)
+                    mark("model")
                 with autocast:
                     logits = model(inputs)
             with phase("backward"):
@@ -336,6 +361,8 @@ def main() -> None:
                         opt.zero_grad()
                 for scheduler in schedulers[variant]:  # (--titan-order)
                     scheduler.step()
+            if lags is not None:
+                mark("end")
 
     @torch.no_grad()
     def forward_block(model, _optimizers) -> None:
@@ -389,6 +416,20 @@ def main() -> None:
                     target = os.path.join(args.trace_dir, f"{v}.json.gz")
                     with open(path, "rb") as src, gzip.open(target, "wb") as dst:
                         shutil.copyfileobj(src, dst)
+    lag: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
+    for round_ in range(args.lag if device.type == "cuda" else 0):
+        order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
+        for v in order:
+            prepare(v)
+            sync()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            marks = [("block", start, time.perf_counter())]
+            train_block(*runs[v], lags=marks)
+            sync()
+            for name, event, host_time in marks[1:]:
+                behind = start.elapsed_time(event) / 1e3 - (host_time - marks[0][2])
+                lag[v].setdefault(name, []).append(behind)
     profiles = {}
     for v in variants if args.host_profile else ():
         profiles[v] = cProfile.Profile()
@@ -457,6 +498,19 @@ def main() -> None:
                     cells.append(f"{total:.2f} / {union:.2f}")
                 else:
                     cells.append("-")
+            print(f"| {v} | " + " | ".join(cells) + " |")
+    if any(lag.values()):
+        print(
+            f"How far the GPU runs behind the host (ms; {args.lag} rounds of one block per "
+            "variant, medians over its steps): at each phase's start (forward: the step's), "
+            "after the batch's blocking copies (model), and at the step's end (what the next "
+            "step's copies wait for):"
+        )
+        names = ["forward", "model", *PHASES[1:], "end"]
+        print("| variant | " + " | ".join(f"at {n}" for n in names) + " |")
+        print("| --- " * (len(names) + 1) + "|")
+        for v in variants:
+            cells = [f"{statistics.median(lag[v][n]) * 1e3:.2f}" for n in names]
             print(f"| {v} | " + " | ".join(cells) + " |")
     for v, profile in profiles.items():
         steps = args.host_profile * args.block
