@@ -126,8 +126,8 @@ def clip_grads_(
     across = bool(sharded) or bool(states and states[0].mesh.world_size > 1)
     if not across and len(dtypes) <= 1:
         # Nothing to combine across processes and one dtype: one norm over them all, as
-        # torch.nn.utils.clip_grad_norm_ takes it (the same value, bit for bit, and one
-        # foreach launch: at small scale the host time of the clip is the step's).
+        # torch.nn.utils.clip_grad_norm_ takes it (for float32 and float64 gradients the same
+        # value, bit for bit; one foreach launch: at small scale the clip's host time counts).
         total_norm = local_norm(local)
     else:
         owned_ids = {id(g) for g in owned}
