@@ -258,7 +258,7 @@ def _build_runtime(
     state = DMuonState(model, plan, params, groups, comm, options)
     for g in groups:
         register_boundary_hooks(state, g)
-    register_scope_hooks(state, modules, boundary_paths)
+    state.scope_handles = register_scope_hooks(state, modules, boundary_paths)
     register_root_hooks(state, model)
     return state
 

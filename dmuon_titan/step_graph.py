@@ -46,7 +46,8 @@ which waits for everything queued on the compute stream, so a step queued there 
 host until Newton–Schulz is over and only then lets it queue the next forward. On its own
 stream the step overlaps the host's work on the next step. What reads or writes what the
 replay touches makes its stream wait for the replay's event on the GPU (``wait``): the
-model's next forward (every boundary, and the root), ``state_dict()``/``load_state_dict()``
+model's forward (the root, and every boundary while a replay may still run:
+``DMuonState.arm_step_waits``), ``state_dict()``/``load_state_dict()``
 of the model and of the optimizer, DMuon's state-dict functions,
 ``wait_all_replicate_broadcasts``, and a ``zero_grad`` that zeroes in place (torchtitan's
 checkpoint save also waits on the host, for DCP may stage on a stream of its own). The
@@ -340,6 +341,11 @@ class MuonStepGraph:
         if self.stream is not None:
             self.stream.synchronize()
             self._held = []
+
+    def in_flight(self) -> bool:
+        """Whether an asynchronous replay may still be running on the GPU (its event not yet
+        reached: one query, no wait)."""
+        return self.done is not None and not self.done.query()
 
     def wait(self) -> None:
         """Make the current stream wait (on the GPU) for the last replay; nothing without

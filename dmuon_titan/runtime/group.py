@@ -91,6 +91,7 @@ class BoundaryGroup:
         self._version_guard = None  # the buffers' version counters, restored after a refill
         self._replicate_pending: list[Pending] = []
         self.hook_handles: list = []  # forward hooks, on ``module`` or a wrapper of it
+        self.hook_module: nn.Module | None = None  # the module holding them
         #: Z2: unsharded by a training forward since the last backward, kept for backward
         self.held_for_backward = False
         #: indices of the parameters whose gradient arrived in the current backward

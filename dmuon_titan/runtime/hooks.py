@@ -2,7 +2,9 @@
 
 - the root module's forward pre/post hooks open and close one forward pass over the schedule
   (what this rank did not run still joins its collectives at the close);
-- each boundary's forward pre/post hooks bring its weights in and out;
+- each boundary's forward pre/post hooks bring its weights in and out (on one rank, DMuon's
+  direct path, there is nothing to bring: a pre-forward hook that waits for an optimizer step
+  in flight, there only while one may be, :meth:`DMuonState.arm_step_waits`);
 - a post-forward hook on every module with boundaries inside closes their scope (entries of
   boundaries that did not run there are issued at once);
 - tensor hooks on forward outputs begin a boundary's backward (Z3 re-broadcast) and make the
@@ -43,11 +45,25 @@ def register_boundary_hooks(
     for handle in group.hook_handles:
         handle.remove()
     module = group.module if module is None else module
+    group.hook_module = module
+    if state.direct:  # (after lazy init, on one rank: the wait alone, while it is armed)
+        group.hook_handles = register_step_wait_hook(state, group) if state.step_waits_armed else []
+        return group.hook_handles
     group.hook_handles = [
         module.register_forward_pre_hook(pre_forward),
         module.register_forward_hook(post_forward),
     ]
     return group.hook_handles
+
+
+def register_step_wait_hook(state: DMuonState, group: BoundaryGroup) -> list[RemovableHandle]:
+    """DMuon's direct path: a pre-forward hook on ``group``'s hooked module that makes the
+    current stream wait for an optimizer step in flight (:meth:`DMuonState.pre_forward`)."""
+
+    def pre_forward(_module, _args):
+        state.pre_forward(group)
+
+    return [group.hook_module.register_forward_pre_hook(pre_forward)]
 
 
 def register_root_hooks(state: DMuonState, root: nn.Module) -> list[RemovableHandle]:

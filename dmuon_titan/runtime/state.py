@@ -124,6 +124,11 @@ class DMuonState:
         self._pending_reduces: list[PendingReduce] = []
         self._initialized = False
         self.direct = False  # decided at lazy init
+        #: the post-forward hooks that close scopes (register_scope_hooks)
+        self.scope_handles: list = []
+        #: direct path: whether the boundaries' modules hold their step-wait hooks
+        #: (:meth:`arm_step_waits`)
+        self.step_waits_armed = False
         self._replicas_synced = False
         #: the optimizers' captured steps (``dmuon_titan.step_graph``): with ``async_step``
         #: they run on a side stream, and what reads the matrices waits for them (weak: an
@@ -176,7 +181,18 @@ class DMuonState:
             and self.gradient_divide_factor == 1
             and all(p.param_dtype == p.orig_dtype == p.reduce_dtype for p in self.params)
         )
-        if not self.direct:
+        if self.direct:
+            # Nothing to bring in or out: the boundaries' hooks would only ask, every forward,
+            # whether a step is in flight, and a module with hooks takes nn.Module's slower
+            # call path. They come back as waits only while a step may be in flight.
+            for group in self.groups:
+                for handle in group.hook_handles:
+                    handle.remove()
+                group.hook_handles = []
+            for handle in self.scope_handles:
+                handle.remove()
+            self.scope_handles = []
+        else:
             for group in self.groups:
                 group.lazy_init()
                 hooks.register_grad_hooks(self, group)
@@ -194,6 +210,8 @@ class DMuonState:
         self.lazy_init()
         if self.direct:
             self.wait_for_step()
+            if self.step_waits_armed and not self.step_in_flight():
+                self.disarm_step_waits()
             # (an owed clip factor: settled before any new gradient accumulates, after the
             # step in flight that reads the gradients)
             self.apply_deferred_grad_scale()
@@ -514,7 +532,12 @@ class DMuonState:
         """Send the owners' updated masters to the other replicas: asynchronously (waited for
         in the next forward of each boundary, hidden behind earlier layers), or right away
         with ``replicate_async=False``. With tensor parallelism their shards go to the
-        owners' rows first (waited for here)."""
+        owners' rows first (waited for here). On the direct path: the boundaries' waits
+        armed, if the step is in flight."""
+        if self.direct:
+            if self.step_in_flight():
+                self.arm_step_waits()
+            return
         if self.tp_exchange is not None:
             self.tp_exchange.scatter_weights()
         if self.mesh.replicate_size == 1:
@@ -536,6 +559,36 @@ class DMuonState:
             graph = ref()
             if graph is not None:
                 graph.wait()
+
+    def step_in_flight(self) -> bool:
+        """Whether an optimizer step may still be running on its own stream (a stand-in
+        without ``in_flight`` counts as one)."""
+        for graph in self.step_graphs:
+            in_flight = getattr(graph, "in_flight", None)
+            if in_flight is None or in_flight():
+                return True
+        return False
+
+    def arm_step_waits(self) -> None:
+        """Direct path: every boundary's module waits for the step in flight before its
+        forward (a module run outside the model's forward, or on another stream, reads the
+        matrices the step writes), until a forward of the model finds no step in flight
+        (:meth:`disarm_step_waits`). So a forward after the step, while it runs, asks at
+        every boundary, as before; later ones, validation's say, take nn.Module's plain call
+        path."""
+        if self.step_waits_armed:
+            return
+        self.step_waits_armed = True
+        for group in self.groups:
+            group.hook_handles = hooks.register_step_wait_hook(self, group)
+
+    def disarm_step_waits(self) -> None:
+        """No step in flight any more: the boundaries' waits removed."""
+        self.step_waits_armed = False
+        for group in self.groups:
+            for handle in group.hook_handles:
+                handle.remove()
+            group.hook_handles = []
 
     def ensure_replicas_synced(self) -> None:
         if not self._replicas_synced:

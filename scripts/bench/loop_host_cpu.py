@@ -7,8 +7,9 @@ flavor's 111 parameters) on CPU, once plain (as AdamW trains it) and once with i
 dedicated (one rank, DMuon's direct path, one training step taken so that the step graph
 registry and the hooks are in their steady state). Parts:
 
-- ``forward``: a no-grad forward (DMuon's hooks run in every forward: torchtitan's
-  validation, every training step);
+- ``forward``: a no-grad forward, as torchtitan's validation runs it (the root's hooks run
+  in every forward; since the twenty-fourth session the boundaries' waits only while a step
+  may be in flight, never on CPU);
 - ``clip``: torchtitan's ``clip_grad_norm_`` over the model's parameters, as its trainer
   calls it (DMuon's replaces it: the global norm, the owned gradients' factor left to the
   step, which is dropped here as the step would take it).

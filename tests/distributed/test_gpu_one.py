@@ -397,3 +397,52 @@ def test_a_forward_waits_for_the_step_in_flight_once_per_stream():
     cfg = RunConfig(ns_dtype=torch.bfloat16, device="cuda", steps=3)
     (counts,) = run_ranks(forward_wait_counts, 1, [cfg], backend="nccl")[0]
     assert counts == [1, 0, 1, 1]
+
+
+def step_wait_hooks(rank: int, world_size: int, configs: list[RunConfig]) -> list[dict]:
+    """The boundaries' step-wait hooks (DMuon's own, per boundary) and whether they are
+    armed: after a forward that found the step done, right after a step held in flight
+    (``torch.cuda._sleep`` queued before it on the compute stream, which the replay's stream
+    follows), after a forward while it is still in flight, and after one once it is done."""
+    cfg = configs[0]
+    model, optimizer = build_dmuon(cfg, world_size)
+    state = model._dmuon_state
+
+    def seen() -> tuple[list[int], bool]:
+        return [len(g.hook_handles) for g in state.groups], state.step_waits_armed
+
+    for step in range(3):
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    tokens = batch(cfg, 0).to(cfg.device)
+    torch.cuda.synchronize()
+    out = {}
+    with torch.no_grad():
+        model(tokens)
+    out["done"] = seen()
+    loss_fn(model(tokens), tokens).backward()
+    torch.cuda._sleep(400_000_000)  # (about 0.2 s of the GPU's clock)
+    optimizer.step()
+    out["in flight"] = (*seen(), optimizer.step_graph.in_flight())
+    with torch.no_grad():
+        model(tokens)
+    out["forward in flight"] = seen()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        model(tokens)
+    out["forward after"] = seen()
+    return [out]
+
+
+def test_the_blocks_wait_for_the_step_only_while_it_is_in_flight():
+    """One GPU, asynchronous captured step: the boundaries hold no hook of DMuon's while no
+    step is in flight (their modules take nn.Module's plain call path: validation's
+    forwards), one wait each from a step still running until a forward of the model finds
+    it done."""
+    cfg = RunConfig(ns_dtype=torch.bfloat16, device="cuda", steps=3)
+    (out,) = run_ranks(step_wait_hooks, 1, [cfg], backend="nccl")[0]
+    n = len(out["done"][0])
+    assert n > 0
+    assert out["done"] == ([0] * n, False)
+    assert out["in flight"] == ([1] * n, True, True)
+    assert out["forward in flight"] == ([1] * n, True)
+    assert out["forward after"] == ([0] * n, False)

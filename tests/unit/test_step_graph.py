@@ -307,6 +307,70 @@ def test_zero_grad_in_place_waits_for_the_step_in_flight(cpu_mesh):
     assert counter.waits == before + 1 and all(p.grad is None for p in model.parameters())
 
 
+def test_the_blocks_wait_for_a_step_only_while_one_may_be_in_flight(cpu_mesh):
+    """One rank (the direct path): the blocks hold no forward hook (nothing to bring in, and
+    a hooked module takes nn.Module's slower call path) until a step is in flight; then each
+    block waits for it before its forward, also run alone, until a forward of the model finds
+    the step done; the model's forward always waits. The weights equal a run without the
+    step in flight stood in for."""
+    torch.manual_seed(0)
+    model = ToyTransformer().double()
+    dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
+    state = model._dmuon_state
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64)
+    blocks = list(model.layers)
+
+    def hooks() -> list[int]:
+        return [len(b._forward_pre_hooks) + len(b._forward_hooks) for b in blocks]
+
+    assert hooks() == [2] * len(blocks)  # (before the first forward: not known to be direct)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    loss_fn(model(tokens), tokens).backward()
+    assert state.direct and hooks() == [0] * len(blocks)
+    in_flight = _CountingWait()
+    in_flight.in_flight = lambda: in_flight.running
+    in_flight.running = False
+    state.step_graphs.add(in_flight)
+    optimizer.step()  # (nothing in flight after it: nothing armed)
+    assert hooks() == [0] * len(blocks) and in_flight.waits == 0
+    optimizer.zero_grad()
+    loss_fn(model(tokens), tokens).backward()
+    assert in_flight.waits == 1  # (the model's forward)
+    in_flight.running = True  # (as an asynchronous replay just launched)
+    optimizer.step()
+    assert state.step_waits_armed and hooks() == [1] * len(blocks)
+
+    def waits(run) -> int:
+        before = in_flight.waits
+        run()
+        return in_flight.waits - before
+
+    with torch.no_grad():
+        hidden = model.tok_embeddings(tokens)
+        assert waits(lambda: blocks[1](hidden)) == 1
+        # (the root and every block; still in flight: still armed)
+        assert waits(lambda: model(tokens)) == 1 + len(blocks)
+        assert hooks() == [1] * len(blocks)
+        in_flight.running = False
+        assert waits(lambda: model(tokens)) == 1  # (the root finds it done: the blocks' go)
+        assert hooks() == [0] * len(blocks) and not state.step_waits_armed
+        assert waits(lambda: blocks[1](hidden)) == 0
+        assert waits(lambda: model(tokens)) == 1
+
+    torch.manual_seed(0)
+    reference = ToyTransformer().double()
+    dmuon.dedicate_params(reference, cpu_mesh, dedicated_predicate)
+    reference_optimizer = dmuon.Muon(reference, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64)
+    for _ in range(2):
+        loss_fn(reference(tokens), tokens).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True)
+    )
+
+
 def test_the_model_state_dict_waits_and_a_dropped_optimizer_lets_go_of_its_step(cpu_mesh):
     """``model.state_dict()`` and ``load_state_dict()`` wait for every step in flight; the
     model's record of the optimizers' steps is weak, so an optimizer dropped (rebuilt, say)
