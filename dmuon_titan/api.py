@@ -27,7 +27,13 @@ from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL
 from .runtime.collectives import Collectives
 from .runtime.fsdp import install_fully_shard_patch, install_replicate_patch, register_tied
 from .runtime.group import BoundaryGroup
-from .runtime.hooks import register_boundary_hooks, register_root_hooks, register_scope_hooks
+from .runtime.hooks import (
+    WRAPPER_SEGMENTS,
+    register_boundary_hooks,
+    register_root_hooks,
+    register_scope_hooks,
+    unwrap_module,
+)
 from .runtime.mesh import MeshInfo, mesh_info
 from .runtime.owned_param import DedicatedParam
 from .runtime.state import STATE_ATTR, DMuonState, get_state
@@ -36,13 +42,10 @@ from .runtime.tensor_parallel import install_tensor_parallel_patch
 ParamPredicate = Callable[[str, nn.Parameter], bool]
 ModulePredicate = Callable[[nn.Module], bool]
 
-# Wrappers that insert a path segment without changing what the parameter is.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
-
 
 def clean_fqn(fqn: str) -> str:
     """Drop activation-checkpoint / torch.compile / FSDP1 wrapper segments from a name."""
-    return ".".join(s for s in fqn.split(".") if s not in _WRAPPER_SEGMENTS)
+    return ".".join(s for s in fqn.split(".") if s not in WRAPPER_SEGMENTS)
 
 
 def dedicate_params(
@@ -436,15 +439,6 @@ def set_gradient_divide_factor(model: nn.Module, factor: float) -> None:
     state.gradient_divide_factor = float(factor)
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The module inside compile / activation-checkpoint / FSDP1 wrappers."""
-    for attr in _WRAPPER_SEGMENTS:
-        inner = module._modules.get(attr)
-        if inner is not None:
-            return _unwrap(inner)
-    return module
-
-
 def move_hooks_outside_compile(model: nn.Module) -> int:
     """Move DMuon's hooks from compiled blocks to their ``torch.compile`` wrappers.
 
@@ -456,7 +450,7 @@ def move_hooks_outside_compile(model: nn.Module) -> int:
     from torch._dynamo.eval_frame import OptimizedModule  # fully_shard subclasses it
 
     state = get_state(model)
-    compiled = {_unwrap(m): m for m in model.modules() if isinstance(m, OptimizedModule)}
+    compiled = {unwrap_module(m): m for m in model.modules() if isinstance(m, OptimizedModule)}
     moved = 0
     for group in state.groups:
         wrapper = compiled.get(group.module)

@@ -88,6 +88,7 @@ def clip_grads_(
         if grad is None or id(p) in seen:
             continue
         seen.add(id(p))
+        # (placeholders' dtypes too: every rank then combines its norms in one dtype)
         dtypes.add(grad.dtype)
         if hasattr(p, DEDICATED_ATTR):
             if p.numel() > 0:  # the owner's master; placeholders have no elements

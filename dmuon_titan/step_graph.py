@@ -344,8 +344,13 @@ class MuonStepGraph:
 
     def in_flight(self) -> bool:
         """Whether an asynchronous replay may still be running on the GPU (its event not yet
-        reached: one query, no wait)."""
-        return self.done is not None and not self.done.query()
+        reached: one query, no wait; while the current stream is being captured, where a
+        query is not allowed, it may)."""
+        if self.done is None:
+            return False
+        if torch.cuda.is_current_stream_capturing():
+            return True
+        return not self.done.query()
 
     def wait(self) -> None:
         """Make the current stream wait (on the GPU) for the last replay; nothing without

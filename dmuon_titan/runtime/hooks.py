@@ -26,6 +26,25 @@ if TYPE_CHECKING:
     from .group import BoundaryGroup
     from .state import DMuonState
 
+#: Wrappers that insert a path segment without changing what the module or parameter is
+#: (activation checkpoint, ``torch.compile``, FSDP1).
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """The module inside compile / activation-checkpoint / FSDP1 wrappers."""
+    for attr in WRAPPER_SEGMENTS:
+        inner = module._modules.get(attr)
+        if inner is not None:
+            return unwrap_module(inner)
+    return module
+
+
+def compile_wrappers(root: nn.Module) -> dict[nn.Module, nn.Module]:
+    """The ``torch.compile`` wrappers (modules holding an ``_orig_mod``) under ``root``, by
+    the module each one wraps (through other wrappers)."""
+    return {unwrap_module(m): m for m in root.modules() if "_orig_mod" in m._modules}
+
 
 def register_boundary_hooks(
     state: DMuonState, group: BoundaryGroup, module: nn.Module | None = None
@@ -63,7 +82,8 @@ def register_step_wait_hook(state: DMuonState, group: BoundaryGroup) -> list[Rem
     def pre_forward(_module, _args):
         state.pre_forward(group)
 
-    return [group.hook_module.register_forward_pre_hook(pre_forward)]
+    # (first: before any other pre-hook registered since, FSDP2's or a user's, reads them)
+    return [group.hook_module.register_forward_pre_hook(pre_forward, prepend=True)]
 
 
 def register_root_hooks(state: DMuonState, root: nn.Module) -> list[RemovableHandle]:

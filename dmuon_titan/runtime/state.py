@@ -184,8 +184,13 @@ class DMuonState:
         if self.direct:
             # Nothing to bring in or out: the boundaries' hooks would only ask, every forward,
             # whether a step is in flight, and a module with hooks takes nn.Module's slower
-            # call path. They come back as waits only while a step may be in flight.
+            # call path. They come back as waits only while a step may be in flight, on a
+            # block's torch.compile wrapper if it has one (torch.compile does not guard on
+            # hooks: one added inside a compiled region later would never run).
+            wrappers = hooks.compile_wrappers(self.root)
             for group in self.groups:
+                if group.hook_module is group.module and group.module in wrappers:
+                    group.hook_module = wrappers[group.module]
                 for handle in group.hook_handles:
                     handle.remove()
                 group.hook_handles = []

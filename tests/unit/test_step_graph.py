@@ -371,6 +371,34 @@ def test_the_blocks_wait_for_a_step_only_while_one_may_be_in_flight(cpu_mesh):
     )
 
 
+def test_a_compiled_block_waits_through_its_wrapper_before_other_hooks(cpu_mesh):
+    """One rank, a block compiled without ``move_hooks_outside_compile``: its wait for a
+    step in flight is armed on the ``torch.compile`` wrapper (a hook added inside the
+    compiled region later would never run: torch.compile does not guard on hooks), ahead of
+    a pre-hook registered on it before, and it waits when the block runs alone."""
+    torch.manual_seed(0)
+    model = ToyTransformer().double()
+    dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
+    state = model._dmuon_state
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64)
+    inner = model.layers[1]
+    model.layers[1] = wrapper = torch.compile(inner, backend="eager")
+    order = []
+    wrapper.register_forward_pre_hook(lambda _m, _a: order.append("user"))
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    loss_fn(model(tokens), tokens).backward()
+    in_flight = _CountingWait()
+    in_flight.wait = lambda: (order.append("wait"), _CountingWait.wait(in_flight))
+    state.step_graphs.add(in_flight)  # (no in_flight method: counts as in flight)
+    optimizer.step()
+    assert state.step_waits_armed
+    assert len(inner._forward_pre_hooks) == 0 and len(wrapper._forward_pre_hooks) == 2
+    order.clear()
+    with torch.no_grad():
+        wrapper(model.tok_embeddings(tokens))
+    assert order == ["wait", "user"] and in_flight.waits == 1
+
+
 def test_the_model_state_dict_waits_and_a_dropped_optimizer_lets_go_of_its_step(cpu_mesh):
     """``model.state_dict()`` and ``load_state_dict()`` wait for every step in flight; the
     model's record of the optimizers' steps is weak, so an optimizer dropped (rebuilt, say)
