@@ -29,10 +29,10 @@ from .runtime.fsdp import install_fully_shard_patch, install_replicate_patch, re
 from .runtime.group import BoundaryGroup
 from .runtime.hooks import (
     WRAPPER_SEGMENTS,
+    compile_wrappers,
     register_boundary_hooks,
     register_root_hooks,
     register_scope_hooks,
-    unwrap_module,
 )
 from .runtime.mesh import MeshInfo, mesh_info
 from .runtime.owned_param import DedicatedParam
@@ -447,10 +447,8 @@ def move_hooks_outside_compile(model: nn.Module) -> int:
     and swap parameters, so they must run outside the compiled region, like FSDP2's. Returns
     the number of boundaries whose hooks moved. (The torchtitan plugin calls it for you.)
     """
-    from torch._dynamo.eval_frame import OptimizedModule  # fully_shard subclasses it
-
     state = get_state(model)
-    compiled = {unwrap_module(m): m for m in model.modules() if isinstance(m, OptimizedModule)}
+    compiled = compile_wrappers(model)
     moved = 0
     for group in state.groups:
         wrapper = compiled.get(group.module)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .runtime.owned_param import DEDICATED_ATTR, dedicated_of
+from .runtime.owned_param import dedicated_of, is_dedicated
 from .runtime.state import STATE_ATTR, DMuonState
 
 
@@ -78,9 +78,10 @@ def clip_grads_(
         )
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
-    # One pass: ``local`` keeps this process's whole gradients (plain and owned) in parameter
-    # order; the owned ones are also listed apart for their all-reduce and the deferral.
-    sharded, local, owned, masters = [], [], [], []
+    # ``local``: this process's whole gradients (plain and owned) in parameter order, for the
+    # one-norm case; ``plain`` and ``owned`` the same apart, for the norms combined across
+    # processes and for the deferral.
+    sharded, local, plain, owned, masters = [], [], [], [], []
     seen: set[int] = set()
     dtypes: set[torch.dtype] = set()
     for p in parameters:
@@ -90,7 +91,7 @@ def clip_grads_(
         seen.add(id(p))
         # (placeholders' dtypes too: every rank then combines its norms in one dtype)
         dtypes.add(grad.dtype)
-        if hasattr(p, DEDICATED_ATTR):
+        if is_dedicated(p):
             if p.numel() > 0:  # the owner's master; placeholders have no elements
                 local.append(grad)
                 owned.append(grad)
@@ -99,6 +100,7 @@ def clip_grads_(
             sharded.append(grad)
         else:
             local.append(grad)
+            plain.append(grad)
     dtype = functools.reduce(torch.promote_types, dtypes, torch.float32)
     if states:
         device = states[0].device
@@ -131,8 +133,7 @@ def clip_grads_(
         # value, bit for bit; one foreach launch: at small scale the clip's host time counts).
         total_norm = local_norm(local)
     else:
-        owned_ids = {id(g) for g in owned}
-        parts = [local_norm([g for g in local if id(g) not in owned_ids])]
+        parts = [local_norm(plain)]
         if sharded:
             norm = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach)
             parts.append(norm.full_tensor().to(device, dtype))
@@ -150,14 +151,11 @@ def clip_grads_(
         raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")
     clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     if defer_owned:
-        now = _defer_owned(masters, clip_coef, states)
+        owned = _defer_owned(masters, clip_coef, states)
     # One foreach multiply per (device, dtype), as torch's clip_grads_with_norm_ does: a
     # Python loop over every gradient costs milliseconds of host time at small scale.
-    if defer_owned and owned:
-        deferred = {id(g) for g in owned} - {id(g) for g in now}
-        local = [g for g in local if id(g) not in deferred]
     by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for g in [g.to_local() for g in sharded] + local:
+    for g in [g.to_local() for g in sharded] + plain + owned:
         by_kind.setdefault((g.device, g.dtype), []).append(g)
     for (g_device, g_dtype), same in by_kind.items():
         coef = clip_coef.to(device=g_device, dtype=g_dtype)

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -41,9 +42,13 @@ def unwrap_module(module: nn.Module) -> nn.Module:
 
 
 def compile_wrappers(root: nn.Module) -> dict[nn.Module, nn.Module]:
-    """The ``torch.compile`` wrappers (modules holding an ``_orig_mod``) under ``root``, by
-    the module each one wraps (through other wrappers)."""
-    return {unwrap_module(m): m for m in root.modules() if "_orig_mod" in m._modules}
+    """The ``torch.compile`` wrappers under ``root``, by the module each one wraps (through
+    other wrappers)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # (never imported: nothing was compiled, and no import for it)
+        return {}
+    wrapper = eval_frame.OptimizedModule  # (fully_shard subclasses it)
+    return {unwrap_module(m): m for m in root.modules() if isinstance(m, wrapper)}
 
 
 def register_boundary_hooks(

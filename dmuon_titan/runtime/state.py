@@ -191,9 +191,7 @@ class DMuonState:
             for group in self.groups:
                 if group.hook_module is group.module and group.module in wrappers:
                     group.hook_module = wrappers[group.module]
-                for handle in group.hook_handles:
-                    handle.remove()
-                group.hook_handles = []
+            self.disarm_step_waits()
             for handle in self.scope_handles:
                 handle.remove()
             self.scope_handles = []

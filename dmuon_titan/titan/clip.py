@@ -10,7 +10,7 @@ import functools
 import torchtitan.distributed.utils as dist_utils
 
 from ..clip import clip_grads_
-from ..runtime.owned_param import DEDICATED_ATTR
+from ..runtime.owned_param import dedicated_of
 
 _stock = dist_utils.clip_grad_norm_
 
@@ -19,9 +19,7 @@ def _dmuon_states_of(parameters) -> list:
     """The DMuon states (one per model part) whose dedicated matrices are among
     ``parameters``, in order."""
     states: dict[int, object] = {}
-    refs = {
-        id(d.state_ref): d.state_ref for p in parameters if (d := getattr(p, DEDICATED_ATTR, None))
-    }
+    refs = {id(d.state_ref): d.state_ref for p in parameters if (d := dedicated_of(p))}
     for ref in refs.values():
         state = ref() if ref else None
         if state is not None:
