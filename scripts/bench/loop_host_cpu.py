@@ -10,6 +10,10 @@ registry and the hooks are in their steady state). Parts:
 - ``forward``: a no-grad forward, as torchtitan's validation runs it (the root's hooks run
   in every forward; since the twenty-fourth session the boundaries' waits only while a step
   may be in flight, never on CPU);
+- ``armed``: a training forward (grad enabled, no backward) while a step is in flight, as
+  torchtitan's forward right after an asynchronous step runs: the root and every block wait
+  for it (a stand-in step that never ends, whose wait does nothing; never the case on CPU
+  otherwise);
 - ``clip``: torchtitan's ``clip_grad_norm_`` over the model's parameters, as its trainer
   calls it (DMuon's replaces it: the global norm, the owned gradients' factor left to the
   step, which is dropped here as the step would take it).
@@ -18,7 +22,7 @@ The plain and dedicated runs of a part alternate, ``--blocks`` blocks of ``--per
 calls each; medians per call, and the difference: host cost without a GPU's launch latencies
 (docs/benchmarks.md, twenty-third and twenty-fourth sessions).
 
-    torchrun --standalone --nproc_per_node=1 scripts/bench/loop_host_cpu.py [--parts forward,clip]
+    torchrun --standalone --nproc_per_node=1 scripts/bench/loop_host_cpu.py [--parts forward,armed,clip]
 """
 
 from __future__ import annotations
@@ -82,14 +86,28 @@ def main() -> None:
         with torch.no_grad():
             model(tokens)
 
+    def armed(model: torch.nn.Module) -> None:
+        model(tokens)
+
     def clip(model: torch.nn.Module) -> None:
         dist_utils.clip_grad_norm_(list(model.parameters()), 1e-3, 2.0, foreach=True)
         state = getattr(model, STATE_ATTR, None)
         if state is not None:
             state.drop_deferred_grad_scale()  # (the step applies it)
 
+    class StepInFlight:
+        """Stands in for an asynchronous step that is still running (no ``in_flight``)."""
+
+        def wait(self) -> None:
+            pass
+
+    in_flight = StepInFlight()
     for part in args.parts.split(","):
-        call = {"forward": forward, "clip": clip}[part]
+        call = {"forward": forward, "armed": armed, "clip": clip}[part]
+        state = getattr(models["dedicated"][0], STATE_ATTR)
+        if part == "armed":
+            state.step_graphs.add(in_flight)
+            state.arm_step_waits()
         times: dict[str, list[float]] = {name: [] for name in models}
         for _ in range(args.blocks):
             for name, (model, _) in models.items():
@@ -102,6 +120,9 @@ def main() -> None:
             f"{part} on CPU, medians of {args.blocks} blocks: plain {plain:.1f} us, dedicated "
             f"{dedicated:.1f} us, difference {dedicated - plain:+.1f} us"
         )
+        if part == "armed":
+            state.step_graphs.refs = [r for r in state.step_graphs.refs if r() is not in_flight]
+            state.disarm_step_waits()
     end_distributed_run()
 
 
