@@ -446,3 +446,34 @@ def test_the_blocks_wait_for_the_step_only_while_it_is_in_flight():
     assert out["in flight"] == ([1] * n, True, True)
     assert out["forward in flight"] == ([1] * n, True)
     assert out["forward after"] == ([0] * n, False)
+
+
+def dropped_optimizer(rank: int, world_size: int, configs: list[RunConfig]) -> list[tuple]:
+    """An optimizer dropped right after a step held in flight (``torch.cuda._sleep`` queued
+    before it on the compute stream, which the replay's stream follows): whether the step was
+    in flight, and whether its replay had ended once the optimizer was gone."""
+    import gc
+
+    cfg = configs[0]
+    model, optimizer = build_dmuon(cfg, world_size)
+    for step in range(3):
+        train_step(cfg, model, optimizer, step, rank, world_size)
+    tokens = batch(cfg, 0).to(cfg.device)
+    torch.cuda.synchronize()
+    loss_fn(model(tokens), tokens).backward()
+    torch.cuda._sleep(400_000_000)  # (about 0.2 s of the GPU's clock)
+    optimizer.step()
+    done, in_flight = optimizer.step_graph.done, optimizer.step_graph.in_flight()
+    optimizer.zero_grad()
+    del optimizer
+    gc.collect()
+    return [(in_flight, done.query())]
+
+
+def test_a_dropped_optimizer_lets_its_step_in_flight_end_first():
+    """One GPU, asynchronous captured step: dropping the optimizer while its replay runs
+    waits for the replay (the model's forwards would no longer wait for it, and the
+    gradients it reads would go back to the allocator)."""
+    cfg = RunConfig(ns_dtype=torch.bfloat16, device="cuda", steps=3)
+    (out,) = run_ranks(dropped_optimizer, 1, [cfg], backend="nccl")[0]
+    assert out == (True, True)

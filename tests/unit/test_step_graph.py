@@ -419,6 +419,37 @@ def test_the_model_state_dict_waits_and_a_dropped_optimizer_lets_go_of_its_step(
     assert list(state.step_graphs) == [in_flight]
 
 
+def test_a_dropped_optimizer_waits_for_its_step_in_flight(cpu_mesh):
+    """An optimizer dropped while its asynchronous step may still run (rebuilt between a
+    step and the next forward, say): its step graph waits for the side stream on the host
+    as it goes, since the model's forwards no longer wait for it and the gradients it held
+    go back to the allocator."""
+    import gc
+    import weakref
+
+    class CountingStream:
+        """Stands in for the side stream: counts the host's waits for it."""
+
+        synchronized = 0
+
+        def synchronize(self) -> None:
+            CountingStream.synchronized += 1
+
+    model = ToyTransformer().double()
+    dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64)
+    optimizer.step_graph.stream = CountingStream()
+    graph = weakref.ref(optimizer.step_graph)
+    del optimizer
+    gc.collect()
+    assert graph() is None and CountingStream.synchronized == 1
+    # (a graph that never replayed asynchronously has no side stream: nothing to wait for)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64)
+    del optimizer
+    gc.collect()
+    assert CountingStream.synchronized == 1
+
+
 def _clipped_run(
     cpu_mesh,
     graph: bool,
