@@ -63,7 +63,6 @@ current-stream replay's, bit for bit.
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -342,14 +341,6 @@ class MuonStepGraph:
         if self.stream is not None:
             self.stream.synchronize()
             self._held = []
-
-    def __del__(self) -> None:
-        # Dropped (its optimizer rebuilt, say) while a replay may still run: the model's
-        # forwards no longer wait for it (their record of it is weak), and the gradients it
-        # holds would go back to the compute stream's allocator while it reads them. So the
-        # host waits for the replay first. Not at interpreter exit, where CUDA may be gone.
-        if getattr(self, "stream", None) is not None and not sys.is_finalizing():
-            self._drain()
 
     def in_flight(self) -> bool:
         """Whether an asynchronous replay may still be running on the GPU (its event not yet

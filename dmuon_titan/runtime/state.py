@@ -67,6 +67,13 @@ class WeakList:
         return any(ref() is obj for ref in self.refs)
 
 
+def _may_run(graph) -> bool:
+    """Whether a step graph's replay may still be running (a stand-in without ``in_flight``
+    counts as one)."""
+    in_flight = getattr(graph, "in_flight", None)
+    return in_flight is None or in_flight()
+
+
 def get_state(model: nn.Module) -> DMuonState:
     state = getattr(model, STATE_ATTR, None)
     if state is None:
@@ -134,6 +141,11 @@ class DMuonState:
         #: they run on a side stream, and what reads the matrices waits for them (weak: an
         #: optimizer dropped for a new one takes its graph along)
         self.step_graphs = WeakList()
+        #: direct path: the step graphs whose replay may still run when the waits were armed,
+        #: held (strongly) until a forward finds them done: an optimizer dropped meanwhile
+        #: (rebuilt, say) must not take along a replay that the forwards still have to wait
+        #: for, nor free the gradients it reads
+        self.graphs_in_flight: list = []
         #: the DMuon optimizers (``dmuon_titan.Muon``) that step the owned matrices
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
         #: a gradient clip's factor the owned gradients still owe (:meth:`defer_grad_scale`):
@@ -566,11 +578,7 @@ class DMuonState:
     def step_in_flight(self) -> bool:
         """Whether an optimizer step may still be running on its own stream (a stand-in
         without ``in_flight`` counts as one)."""
-        for graph in self.step_graphs:
-            in_flight = getattr(graph, "in_flight", None)
-            if in_flight is None or in_flight():
-                return True
-        return False
+        return any(_may_run(graph) for graph in self.step_graphs)
 
     def arm_step_waits(self) -> None:
         """Direct path: every boundary's module waits for the step in flight before its
@@ -579,6 +587,7 @@ class DMuonState:
         (:meth:`disarm_step_waits`). So a forward after the step, while it runs, asks at
         every boundary, as before; later ones, validation's say, take nn.Module's plain call
         path."""
+        self.graphs_in_flight = [graph for graph in self.step_graphs if _may_run(graph)]
         if self.step_waits_armed:
             return
         self.step_waits_armed = True
@@ -586,8 +595,10 @@ class DMuonState:
             group.hook_handles = hooks.register_step_wait_hook(self, group)
 
     def disarm_step_waits(self) -> None:
-        """No step in flight any more: the boundaries' waits removed."""
+        """No step in flight any more: the boundaries' waits removed (and the step graphs
+        held for them let go)."""
         self.step_waits_armed = False
+        self.graphs_in_flight = []
         for group in self.groups:
             for handle in group.hook_handles:
                 handle.remove()

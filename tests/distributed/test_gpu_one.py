@@ -450,8 +450,9 @@ def test_the_blocks_wait_for_the_step_only_while_it_is_in_flight():
 
 def dropped_optimizer(rank: int, world_size: int, configs: list[RunConfig]) -> list[tuple]:
     """An optimizer dropped right after a step held in flight (``torch.cuda._sleep`` queued
-    before it on the compute stream, which the replay's stream follows): whether the step was
-    in flight, and whether its replay had ended once the optimizer was gone."""
+    before it on the compute stream, which the replay's stream follows), then a forward with
+    nothing else in between: whether the step was in flight, and whether that forward's
+    logits equal those of a forward after the GPU is done (it read the updated weights)."""
     import gc
 
     cfg = configs[0]
@@ -463,17 +464,21 @@ def dropped_optimizer(rank: int, world_size: int, configs: list[RunConfig]) -> l
     loss_fn(model(tokens), tokens).backward()
     torch.cuda._sleep(400_000_000)  # (about 0.2 s of the GPU's clock)
     optimizer.step()
-    done, in_flight = optimizer.step_graph.done, optimizer.step_graph.in_flight()
+    in_flight = optimizer.step_graph.in_flight()
     optimizer.zero_grad()
     del optimizer
     gc.collect()
-    return [(in_flight, done.query())]
+    with torch.no_grad():
+        racing = model(tokens).float()
+        torch.cuda.synchronize()
+        settled = model(tokens).float()
+    return [(in_flight, torch.equal(racing, settled))]
 
 
-def test_a_dropped_optimizer_lets_its_step_in_flight_end_first():
-    """One GPU, asynchronous captured step: dropping the optimizer while its replay runs
-    waits for the replay (the model's forwards would no longer wait for it, and the
-    gradients it reads would go back to the allocator)."""
+def test_a_dropped_optimizer_leaves_its_step_in_flight_waited_for():
+    """One GPU, asynchronous captured step: the optimizer dropped while its replay runs,
+    the next forward still waits for the replay (the model holds the step graph until a
+    forward finds it done)."""
     cfg = RunConfig(ns_dtype=torch.bfloat16, device="cuda", steps=3)
     (out,) = run_ranks(dropped_optimizer, 1, [cfg], backend="nccl")[0]
     assert out == (True, True)

@@ -419,35 +419,38 @@ def test_the_model_state_dict_waits_and_a_dropped_optimizer_lets_go_of_its_step(
     assert list(state.step_graphs) == [in_flight]
 
 
-def test_a_dropped_optimizer_waits_for_its_step_in_flight(cpu_mesh):
+def test_a_dropped_optimizer_leaves_its_step_in_flight_waited_for(cpu_mesh):
     """An optimizer dropped while its asynchronous step may still run (rebuilt between a
-    step and the next forward, say): its step graph waits for the side stream on the host
-    as it goes, since the model's forwards no longer wait for it and the gradients it held
-    go back to the allocator."""
+    step and the next forward, say): the model keeps its step graph, and its forwards keep
+    waiting for it, until one finds it done (its record of the optimizers is weak: without
+    that the forward would race the replay, and the gradients the replay reads would be
+    freed). Then the graph goes with the optimizer."""
     import gc
     import weakref
-
-    class CountingStream:
-        """Stands in for the side stream: counts the host's waits for it."""
-
-        synchronized = 0
-
-        def synchronize(self) -> None:
-            CountingStream.synchronized += 1
 
     model = ToyTransformer().double()
     dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64)
-    optimizer.step_graph.stream = CountingStream()
-    graph = weakref.ref(optimizer.step_graph)
-    del optimizer
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    loss_fn(model(tokens), tokens).backward()
+    graph, running, waits = optimizer.step_graph, [True], [0]
+    graph.in_flight = lambda: running[0]  # (as an asynchronous replay just launched)
+    graph.wait = lambda: waits.__setitem__(0, waits[0] + 1)
+    optimizer.step()
+    waits[0] = 0  # (the step's own wait for the one before)
+    held = weakref.ref(graph)
+    del graph, optimizer
     gc.collect()
-    assert graph() is None and CountingStream.synchronized == 1
-    # (a graph that never replayed asynchronously has no side stream: nothing to wait for)
-    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64)
-    del optimizer
+    assert held() is not None
+    with torch.no_grad():
+        model(tokens)
+    assert waits[0] == 1 + len(model.layers)  # (the root and every block)
+    running[0] = False
+    with torch.no_grad():
+        model(tokens)  # (finds it done: lets go of it)
     gc.collect()
-    assert CountingStream.synchronized == 1
+    assert held() is None and waits[0] == 2 + len(model.layers)
+    assert not model._dmuon_state.step_waits_armed
 
 
 def _clipped_run(
