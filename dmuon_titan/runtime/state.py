@@ -550,8 +550,7 @@ class DMuonState:
         owners' rows first (waited for here). On the direct path: the boundaries' waits
         armed, if the step is in flight."""
         if self.direct:
-            if self.step_in_flight():
-                self.arm_step_waits()
+            self.arm_step_waits()
             return
         if self.tp_exchange is not None:
             self.tp_exchange.scatter_weights()
@@ -586,9 +585,9 @@ class DMuonState:
         matrices the step writes), until a forward of the model finds no step in flight
         (:meth:`disarm_step_waits`). So a forward after the step, while it runs, asks at
         every boundary, as before; later ones, validation's say, take nn.Module's plain call
-        path."""
+        path. Nothing while no step is in flight."""
         self.graphs_in_flight = [graph for graph in self.step_graphs if _may_run(graph)]
-        if self.step_waits_armed:
+        if self.step_waits_armed or not self.graphs_in_flight:
             return
         self.step_waits_armed = True
         for group in self.groups:

@@ -102,9 +102,9 @@ def main() -> None:
             pass
 
     in_flight = StepInFlight()
+    state = getattr(models["dedicated"][0], STATE_ATTR)
     for part in args.parts.split(","):
         call = {"forward": forward, "armed": armed, "clip": clip}[part]
-        state = getattr(models["dedicated"][0], STATE_ATTR)
         if part == "armed":
             state.step_graphs.add(in_flight)
             state.arm_step_waits()
