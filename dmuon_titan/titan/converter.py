@@ -99,12 +99,6 @@ def _check_tensor_parallel(job_config) -> None:
             "rowwise matmuls with their collectives inside compiled graphs, which DMuon's "
             "tensor-parallel matrices are not tested with yet; set it false"
         )
-    if FLOAT8 in job_config.model.converters:
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree = {degree} with the {FLOAT8!r} converter: "
-            "float8 tensor-parallel styles are not supported with DMuon yet; use "
-            "tensor_parallel_degree = 1 or drop the converter"
-        )
     if p.expert_parallel_degree > 1:
         raise ConfigError(
             f"parallelism.tensor_parallel_degree = {degree} together with expert "

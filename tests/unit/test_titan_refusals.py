@@ -37,16 +37,6 @@ def _dims(**kw):
             [
                 "--parallelism.tensor_parallel_degree",
                 "2",
-                "--model.converters",
-                "quantize.linear.float8,dmuon",
-            ],
-            {"tp": 2},
-            "parallelism.tensor_parallel_degree = 2 with the 'quantize.linear.float8'",
-        ),
-        (
-            [
-                "--parallelism.tensor_parallel_degree",
-                "2",
                 "--parallelism.expert_parallel_degree",
                 "2",
             ],
@@ -108,7 +98,6 @@ def _dims(**kw):
     ],
     ids=[
         "async-tp",
-        "tp-float8",
         "tp-ep",
         "etp",
         "ep-backend",
