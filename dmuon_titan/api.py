@@ -102,11 +102,12 @@ def dedicate_params(
             reduce-scatter, all links busy at once) or ``"auto"`` (per boundary, the one with
             less traffic on the busiest link); see :mod:`dmuon_titan.plan.collectives`.
             Results are identical; only speed and padding differ.
-        expert_mesh: 1-D expert-parallel mesh (its ranks among the data-parallel ones) that
+        expert_mesh: 1-D expert-parallel mesh (its ranks among the data-parallel ones, or
+            with ``tp_mesh`` among the data-parallel × tensor-parallel ones) that
             cuts every expert stack along dim 0, as EP's ``Shard(0)`` does: each rank computes
             with its share of the experts, which is what forward sees (a ``Shard(0)`` DTensor
-            on this mesh), and that share's pieces are owned over the data-parallel ranks of
-            the same expert coordinate. The expert count must be divisible by its size. Your
+            on this mesh), and that share's pieces are owned over the data-parallel (× tensor-
+            parallel) ranks of the same expert coordinate. The expert count must be divisible by its size. Your
             expert parallelism then only dispatches tokens: it must leave the dedicated stacks
             as they are (the torchtitan plugin makes torchtitan's ``ExpertParallel`` do so).
         allow_empty: a predicate that selects nothing is an error unless this is set. Every
@@ -123,7 +124,10 @@ def dedicate_params(
             (placed ``Shard(0)`` or ``Shard(1)``, the degree dividing that dim): DMuon reads
             the placements from ``parallelize_module``, nothing else to pass. Needed here,
             not discovered later, because the owners (and so what each rank stores) are
-            decided by this call. Expert stacks cannot be combined with it yet.
+            decided by this call. Expert stacks combine with it only through expert
+            parallelism: ``expert_mesh`` then spans data-parallel × tensor-parallel ranks (as
+            torchtitan's ``ep`` mesh does), and the stacks stay out of the tensor-parallel
+            plan.
         tp_ns: with ``tp_mesh``, who runs each matrix's Newton–Schulz: ``"owner"`` (its
             owner alone, on the whole matrix), ``"shared"`` (the tp ranks of the owner's row
             together, each on a column block: plain NS, whatever ``ns_algorithm`` says, with
@@ -163,7 +167,7 @@ def dedicate_params(
     specs = [ParamSpec(clean_fqn(fqn), tuple(p.shape), boundaries[fqn]) for fqn, p, *_ in selected]
     _check_expert_counts(specs, expert_mesh)
     tp_size = tp_mesh.size() if tp_mesh is not None else 1
-    _check_tensor_parallel(specs, tp_size)
+    _check_tensor_parallel(specs, tp_size, expert_mesh)
     shard_size = mesh.size() if mesh is not None else 1
     replicate_size = replicate_mesh.size() if replicate_mesh is not None else 1
     plan = plan_partition(
@@ -335,16 +339,20 @@ def _check_expert_counts(specs: list[ParamSpec], expert_mesh: DeviceMesh | None)
             )
 
 
-def _check_tensor_parallel(specs: list[ParamSpec], tp_size: int) -> None:
-    """Tensor parallelism serves 2-D matrices, each sharded along a dim the degree divides."""
+def _check_tensor_parallel(specs: list[ParamSpec], tp_size: int, expert_mesh) -> None:
+    """Tensor parallelism serves 2-D matrices, each sharded along a dim the degree divides,
+    and expert stacks that expert parallelism (not TP) cuts."""
     if tp_size == 1:
         return
     for spec in specs:
-        if spec.stacked:
+        if spec.stacked and expert_mesh is None:
             raise ValueError(
-                f"dedicated expert stack {spec.fqn!r} with tp_mesh: expert stacks cannot be "
-                "combined with tensor parallelism yet; exclude them or drop tp_mesh"
+                f"dedicated expert stack {spec.fqn!r} with tp_mesh and no expert_mesh: "
+                "expert stacks are not tensor-parallelized by DMuon; cut them by expert "
+                "parallelism (expert_mesh), or exclude them or drop tp_mesh"
             )
+        if spec.stacked:
+            continue
         if all(dim % tp_size for dim in spec.shape):
             raise ValueError(
                 f"dedicated parameter {spec.fqn!r} of shape {spec.shape}: the tensor-parallel "

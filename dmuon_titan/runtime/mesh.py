@@ -145,8 +145,12 @@ def mesh_info(
     expert = (expert_mesh.size(), expert_mesh.get_local_rank()) if expert_mesh else (1, 0)
     groups, layout = new_process_groups(shard_group, replicate_group, grid, expert, tp_group)
     grid_group = groups.get("grid_unshard")
-    world = (mesh.size() if mesh is not None else 1) * (
-        replicate_mesh.size() if replicate_mesh is not None else 1
+    # (the ranks a stack's experts are spread over: every data-parallel × tensor-parallel
+    # rank; with TP the experts are not tensor-parallel, EP cuts them across the tp ranks)
+    world = (
+        (mesh.size() if mesh is not None else 1)
+        * (replicate_mesh.size() if replicate_mesh is not None else 1)
+        * (tp_mesh.size() if tp_mesh is not None else 1)
     )
     return MeshInfo(
         grid_rank=dist.get_rank(grid_group) if grid_group is not None else 0,
@@ -223,8 +227,7 @@ def new_process_groups(
     mine = everyone[dist.get_rank()]
     layout: tuple[tuple[int, ...], ...] = ()
     if grid and expert[0] > 1:  # over this rank's data-parallel world (not other stages')
-        me = dist.get_rank()
-        world = [r for x in mine["replicate"] or (me,) for r in everyone[x]["unshard"] or (x,)]
+        world = _stack_world(dist.get_rank(), everyone)
         grids = {everyone[r]["expert"]: everyone[r]["grid_unshard"] for r in world}
         layout = tuple(tuple(grids[c] or ()) for c in range(expert[0]))
     wanted = sorted(
@@ -242,12 +245,20 @@ def new_process_groups(
     return result, layout
 
 
+def _stack_world(rank: int, everyone: list) -> list[int]:
+    """The ranks rank ``rank``'s expert stacks are spread over, from what every rank gathered:
+    the shard ranks of each of its replicas, and the tensor-parallel ranks of each of those
+    (every slot of its data-parallel × tensor-parallel grid; not other pipeline stages')."""
+    replicas = everyone[rank]["replicate"] or (rank,)
+    shards = [r for x in replicas for r in (everyone[x]["unshard"] or (x,))]
+    return [t for r in shards for t in (everyone[r]["tp"] or (r,))]
+
+
 def _with_grid(theirs: dict, rank: int, everyone: list) -> dict:
     """``theirs`` (rank ``rank``'s groups) with its grid groups, derived from what every rank
-    gathered: the shard ranks of each of its replicas (every slot of its data-parallel grid)
-    that share its expert coordinate, sorted (``new_group``'s numbering)."""
-    replicas = theirs["replicate"] or (rank,)
-    slots = [r for x in replicas for r in (everyone[x]["unshard"] or (x,))]
+    gathered: the ranks of its stack world (:func:`_stack_world`) that share its expert
+    coordinate, sorted (``new_group``'s numbering)."""
+    slots = _stack_world(rank, everyone)
     slots = tuple(sorted(r for r in slots if everyone[r]["expert"] == theirs["expert"]))
     grid = slots if len(slots) > 1 else None
     return {**theirs, "grid_unshard": grid, "grid_reduce": grid}

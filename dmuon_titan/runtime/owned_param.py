@@ -133,9 +133,11 @@ class DedicatedParam:
         self.owned_shape = torch.Size(self.owned_shape)
         self.owned_numel = self.owned_shape.numel()
         #: tensor parallelism: its degree and this rank's coordinate; the matrix's sharded
-        #: dim (0 colwise, 1 rowwise) once ``parallelize_module`` placed it (else ``None``)
-        self.tp_size, self.tp_rank = mesh.tp_size, mesh.tp_rank
-        self.tp_mesh = mesh.device_meshes[3] if mesh.tp_size > 1 else None
+        #: dim (0 colwise, 1 rowwise) once ``parallelize_module`` placed it (else ``None``).
+        #: Not of a stack: expert parallelism cuts stacks across the tp ranks instead.
+        tensor_parallel = mesh.tp_size > 1 and not self.stacked
+        self.tp_size, self.tp_rank = (mesh.tp_size, mesh.tp_rank) if tensor_parallel else (1, 0)
+        self.tp_mesh = mesh.device_meshes[3] if tensor_parallel else None
         self.tp_dim: int | None = None
         #: elements of ``unsharded`` (known before the placement: the degree divides a dim)
         self.unsharded_numel = (
@@ -222,6 +224,12 @@ class DedicatedParam:
         with this rank's shard."""
         from torch.distributed.tensor import Shard
 
+        if self.stacked:
+            raise ValueError(
+                f"dedicated expert stack {self.fqn!r}: tensor parallelism of expert stacks is "
+                "not supported; leave the experts out of the tensor-parallel plan (expert "
+                "parallelism cuts them across the tp ranks)"
+            )
         if self.tp_mesh is None and mesh.size() == 1:
             raise ValueError(
                 f"dedicated parameter {self.fqn!r} is being tensor-parallelized on a 1-rank "
@@ -233,11 +241,6 @@ class DedicatedParam:
                 f"dedicated parameter {self.fqn!r} is being tensor-parallelized on a "
                 f"{mesh.size()}-rank mesh, but dedicate_params was given no tp_mesh: pass "
                 "tp_mesh=<the tensor-parallel DeviceMesh> to dedicate_params"
-            )
-        if self.stacked:
-            raise ValueError(
-                f"dedicated expert stack {self.fqn!r}: tensor parallelism of expert stacks is "
-                "not supported; leave the experts out of the tensor-parallel plan"
             )
         same = mesh.ndim == 1 and sorted(mesh.mesh.flatten().tolist()) == sorted(
             self.tp_mesh.mesh.flatten().tolist()

@@ -540,7 +540,7 @@ class DMuonState:
         if self.tp_exchange is None:
             return
         for p in self.params:
-            if p.holds_source and p.tp_copy is None:
+            if p.holds_source and p.tp_size > 1 and p.tp_copy is None:  # (not a stack)
                 p.tp_copy = torch.empty(p.unsharded_shape, dtype=p.orig_dtype, device=self.device)
 
     def after_step(self) -> None:

@@ -92,18 +92,11 @@ def check_compatibility(job_config, parallel_dims) -> None:
 def _check_tensor_parallel(job_config) -> None:
     """What DMuon's tensor parallelism does not serve yet, refused naming the key."""
     p = job_config.parallelism
-    degree = p.tensor_parallel_degree
     if p.enable_async_tensor_parallel:
         raise ConfigError(
             "parallelism.enable_async_tensor_parallel = true: async TP fuses the colwise/"
             "rowwise matmuls with their collectives inside compiled graphs, which DMuon's "
             "tensor-parallel matrices are not tested with yet; set it false"
-        )
-    if p.expert_parallel_degree > 1:
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree = {degree} together with expert "
-            "parallelism: not supported with DMuon yet (each composes with data and "
-            "pipeline parallelism); use one of them"
         )
 
 
@@ -188,11 +181,12 @@ def check_stacks(job_config, parallel_dims, model: nn.Module, predicate) -> None
     stacks = [n for n, p in model.named_parameters() if p.ndim == 3 and predicate(n, p)]
     if not stacks:
         return
-    if parallel_dims.tp > 1:
+    if parallel_dims.tp > 1 and parallel_dims.ep == 1:  # (torchtitan then shards experts by TP)
         raise ConfigError(
             f"parallelism.tensor_parallel_degree = {parallel_dims.tp}: [dmuon] params selects "
-            f"expert stacks ({stacks[0]!r}, ...), which DMuon cannot combine with tensor "
-            "parallelism yet; leave them out of [dmuon] params or use degree 1"
+            f"expert stacks ({stacks[0]!r}, ...), which DMuon combines with tensor "
+            "parallelism only through expert parallelism; set expert_parallel_degree > 1, "
+            "leave them out of [dmuon] params, or use degree 1"
         )
     if job_config.dmuon.mode == "naive":
         raise ConfigError(

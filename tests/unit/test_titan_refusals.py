@@ -34,16 +34,6 @@ def _dims(**kw):
             "parallelism.enable_async_tensor_parallel = true",
         ),
         (
-            [
-                "--parallelism.tensor_parallel_degree",
-                "2",
-                "--parallelism.expert_parallel_degree",
-                "2",
-            ],
-            {"tp": 2, "ep": 2},
-            "parallelism.tensor_parallel_degree = 2 together with expert parallelism",
-        ),
-        (
             ["--parallelism.expert_tensor_parallel_degree", "2"],
             {},
             "parallelism.expert_tensor_parallel_degree = 2",
@@ -98,7 +88,6 @@ def _dims(**kw):
     ],
     ids=[
         "async-tp",
-        "tp-ep",
         "etp",
         "ep-backend",
         "interleaved-zb",
