@@ -24,7 +24,12 @@ from .clip import install_clip
 from .converter import MODEL_NAMES, DMuonConverter
 from .metrics import build_metrics_processor, count_full_sizes
 from .optimizer import builder_for
-from .parallelize import install_expert_parallel_patch, wrap_parallelize, wrap_pipelining
+from .parallelize import (
+    install_expert_parallel_patch,
+    install_no_parallel_patch,
+    wrap_parallelize,
+    wrap_pipelining,
+)
 
 _installed = False
 
@@ -60,6 +65,7 @@ def install() -> None:
         )
     install_checkpoint_hooks()
     install_expert_parallel_patch()
+    install_no_parallel_patch()
     install_clip()
     _installed = True
 

@@ -59,8 +59,10 @@ class DMuon:
     ([experts, out, in] of a grouped-experts module), and not a tied weight. Default (empty):
     chosen from what the parameters are — the nn.Linear weights inside the transformer blocks
     (attention, feed-forward, shared experts) and the expert stacks go to Muon; embeddings,
-    output head, norms, biases, routers' gates and tied weights stay on AdamW
-    (``dmuon_titan.titan.selection``; the start-up log lists what went where)."""
+    output head, norms, biases, routers' gates and tied weights stay on AdamW, and under
+    tensor parallelism so do the matrices torchtitan's plan keeps whole on every tp rank
+    (deepseek_v3's attention.wkv_a and wq_a) (``dmuon_titan.titan.selection``; the start-up
+    log lists what went where)."""
 
     hook_boundary: str = "block"
     """Where a matrix's broadcast/reduce hooks live. "block": its transformer block

@@ -18,7 +18,7 @@ from ..api import check_pipeline_schedule, clean_fqn, dedicate_params, summarize
 from ..options import options_kwargs
 from ..plan.cost import orthogonalize_flops
 from .config import ConfigError
-from .selection import describe_selection, muon_predicate
+from .selection import TP_KEPT_WHOLE, describe_selection, muon_predicate
 
 #: The train specs whose builders learn DMuon: every LLM torchtitan 0.2.2 ships.
 MODEL_NAMES = ("llama3", "llama4", "qwen3", "deepseek_v3", "gpt_oss")
@@ -304,7 +304,15 @@ class DMuonConverter:
 
     def convert(self, model: nn.Module) -> None:
         cfg = self.job_config.dmuon
-        predicate = muon_predicate(cfg.params, model)
+        kept_whole = ()
+        if self.parallel_dims.tp > 1:
+            kept_whole = TP_KEPT_WHOLE.get(self.job_config.model.name, ())
+        predicate = muon_predicate(cfg.params, model, kept_whole)
+        if kept_whole and not cfg.params:
+            logger.info(
+                f"DMuon: tensor parallelism keeps {', '.join(kept_whole)} whole on every tp "
+                "rank (torchtitan's NoParallel): they stay on AdamW"
+            )
         check_stacks(self.job_config, self.parallel_dims, model, predicate)
         # Under pipeline parallelism torchtitan deep-copies this model into one part per
         # stage after the converters ran: each part dedicates its own matrices, over its

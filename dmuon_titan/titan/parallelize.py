@@ -19,8 +19,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..api import move_hooks_outside_compile, prepare_pipeline_stage, set_gradient_divide_factor
 from ..runtime.init_rng import wrap_init_weights
-from ..runtime.owned_param import is_dedicated
+from ..runtime.owned_param import dedicated_of, is_dedicated
 from ..runtime.state import STATE_ATTR
+from .config import ConfigError
 from .converter import JOB_ATTR, dedicate
 
 
@@ -53,6 +54,34 @@ def install_expert_parallel_patch() -> None:
 
     apply._dmuon = True
     ExpertParallel._apply = apply
+
+
+def install_no_parallel_patch() -> None:
+    """Idempotent: torchtitan's ``NoParallel`` (a module kept whole on every tensor-parallel
+    rank, as a replicated DTensor) refuses a dedicated parameter in one line: DMuon serves a
+    tensor-parallel matrix as colwise or rowwise shards only. (The default selection leaves
+    the modules torchtitan's plans keep whole on AdamW: ``selection.TP_KEPT_WHOLE``.)"""
+    from torchtitan.distributed import NoParallel
+
+    original = NoParallel._apply
+    if getattr(original, "_dmuon", False):
+        return
+
+    @functools.wraps(original)
+    def apply(self, module, device_mesh):
+        for p in module.parameters():
+            dedicated = dedicated_of(p)
+            if dedicated is not None:
+                raise ConfigError(
+                    f"parallelism.tensor_parallel_degree = {device_mesh.size()}: torchtitan's "
+                    f"tensor-parallel plan keeps {dedicated.fqn!r} whole on every tp rank "
+                    "(NoParallel), and DMuon serves tensor-parallel matrices as colwise or "
+                    "rowwise shards only: leave it out of [dmuon] params"
+                )
+        return original(self, module, device_mesh)
+
+    apply._dmuon = True
+    NoParallel._apply = apply
 
 
 def _stage_name(model) -> str:

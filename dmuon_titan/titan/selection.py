@@ -14,6 +14,12 @@ biases, attention sinks, the routers' gates (which score experts rather than tra
 features) and tied weights (one tensor under two names cannot live whole on one owner and
 be sharded by FSDP2 at once).
 
+Under tensor parallelism the default also leaves on AdamW the block matrices that
+torchtitan's tensor-parallel plan keeps whole on every tp rank (``NoParallel``: DeepSeek's
+``attention.wkv_a`` and ``attention.wq_a``, :data:`TP_KEPT_WHOLE`). DMuon serves a
+tensor-parallel matrix as colwise or rowwise shards only; an explicit ``[dmuon] params`` that
+selects one is refused in one line when the plan reaches it (``parallelize.py``).
+
 With ``[dmuon] params`` (regular expressions on the names) the user picks; a 3-D match must
 still be an expert stack.
 """
@@ -31,6 +37,13 @@ from ..api import clean_fqn
 from .config import ConfigError
 
 _LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
+
+#: per ``[model] name``, the block modules torchtitan 0.2.2's tensor-parallel plan keeps whole
+#: on every tp rank (``NoParallel`` in ``models/<name>/infra/parallelize.py``); the routers'
+#: gates are NoParallel too, and on AdamW anyway
+TP_KEPT_WHOLE: dict[str, tuple[str, ...]] = {
+    "deepseek_v3": ("attention.wkv_a", "attention.wq_a"),
+}
 
 
 def is_expert_stack(module: nn.Module, param: torch.Tensor) -> bool:
@@ -75,14 +88,25 @@ def default_muon(fqn: str, module: nn.Module, param: torch.Tensor) -> bool:
     )
 
 
-def muon_predicate(patterns: list[str], model: nn.Module) -> Callable[[str, torch.Tensor], bool]:
+def muon_predicate(
+    patterns: list[str], model: nn.Module, kept_whole: tuple[str, ...] = ()
+) -> Callable[[str, torch.Tensor], bool]:
     """``(fqn, param) -> bool`` selecting the Muon parameters: the default rule when
     ``patterns`` is empty, else the ``[dmuon] params`` regexes (each must match something;
-    every match must be a matrix or an expert stack, and not tied)."""
+    every match must be a matrix or an expert stack, and not tied). ``kept_whole``: module
+    names (within a block) that tensor parallelism keeps whole on every tp rank, which the
+    default rule leaves on AdamW (:data:`TP_KEPT_WHOLE`)."""
     owners = _owners(model)
     tied = _tied(model)
     if not patterns:
-        chosen = {n for n, (m, p) in owners.items() if n not in tied and default_muon(n, m, p)}
+        whole = re.compile(
+            rf"(?:^|.*\.)layers\.\d+\.(?:{'|'.join(map(re.escape, kept_whole))})\.weight"
+        )
+        chosen = {
+            n
+            for n, (m, p) in owners.items()
+            if n not in tied and default_muon(n, m, p) and not (kept_whole and whole.fullmatch(n))
+        }
         if not chosen:
             raise ConfigError(
                 "[dmuon] params is empty (the default rule) but the model has no matrices it "

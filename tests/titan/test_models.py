@@ -14,6 +14,8 @@ from .test_titan import (
     REPO,
     TOY,
     checkpointed_args,
+    from_seed,
+    launch,
     model_size,
     optimizer_tensors,
     read_checkpoint,
@@ -285,6 +287,61 @@ def test_tensor_parallel_with_expert_parallelism(tokenizer_dir, tmp_path):
         assert sum(key == "momentum_buffer" for _, key, _ in loaded) == 51
         for fqn, key, value in loaded:
             assert torch.equal(value, saved["optimizer"][f"state.{fqn}.{key}"]), (name, fqn, key)
+
+
+def test_deepseek_v3_with_tensor_and_expert_parallelism(tokenizer_dir, tmp_path):
+    """deepseek_v3 at dp 2 x tp 2 x ep 2 (4 CPU ranks) from one seed checkpoint: torchtitan's
+    plan keeps attention.wkv_a whole on every tp rank (NoParallel), so the default selection
+    leaves it on AdamW (logged). The first step's gradients (clipping off) equal stock
+    torchtitan's (AdamW, FSDP2 x TP x EP) within 1e-6 of each tensor's largest entry, read
+    from the first moments (Muon's momentum 0.05 g, AdamW's 0.1 g), and the loss falls.
+    Selecting wkv_a explicitly is refused in one line naming it."""
+    flavor = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+    seed, _ = seed_checkpoint(
+        tokenizer_dir,
+        tmp_path / "seed",
+        *flavor,
+        "--training.seq_len",
+        "64",
+        "--validation.no-enable",
+    )
+    common = [*model_args("deepseek_v3", "debugmodel", 3), *from_seed(seed, 3), *TP2, *EP2]
+    common += ["--checkpoint.interval", "1", "--training.max_norm", "1000"]
+    out = run_ok(4, *toy_args(tokenizer_dir, tmp_path / "dmuon", *common))
+    assert "keeps attention.wkv_a, attention.wq_a whole on every tp rank" in out
+    assert "layers.N.attention.wkv_a.weight x6" in out.split("; AdamW")[1].split("\n")[0]
+    adamw = REPO / "configs" / "toy_adamw.toml"
+    run_ok(4, *toy_args(tokenizer_dir, tmp_path / "adamw", *common, config=adamw))
+    mine, stock = (
+        read_checkpoint(tmp_path / d / "checkpoint" / "step-1", tmp_path / d)["optimizer"]
+        for d in ("dmuon", "adamw")
+    )
+    firsts = {k: v for k, v in stock.items() if k.endswith(".exp_avg")}
+    assert len(firsts) == 83
+    for key, theirs in firsts.items():
+        base = key[: -len(".exp_avg")]
+        ours = mine[f"{base}.momentum_buffer"] / 0.05 if f"{base}.momentum_buffer" in mine else None
+        ours = mine[key] / 0.1 if ours is None else ours
+        gap = (ours - theirs / 0.1).abs().max()
+        assert gap <= 1e-6 * (theirs / 0.1).abs().max(), (key, gap)
+    assert sum(k.endswith(".momentum_buffer") for k in mine) == 51
+    losses = tb_losses(tmp_path / "dmuon")
+    assert losses[3] < losses[1]
+
+    rc, out = launch(
+        4,
+        *toy_args(
+            tokenizer_dir,
+            tmp_path / "explicit",
+            *common,
+            "--dmuon.params",
+            r"layers\.\d+\.attention\.wkv_.\.weight",
+        ),
+    )
+    assert rc != 0
+    errors = [line for line in out.splitlines() if "dmuon_titan config error" in line]
+    assert errors and "'layers.0.attention.wkv_a.weight' whole on every tp rank" in errors[0]
+    assert "Traceback" not in out
 
 
 @pytest.mark.slow
