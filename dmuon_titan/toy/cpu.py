@@ -181,3 +181,44 @@ def install_cp_cpu_shim() -> None:
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     ):
         cp.custom_ops.setdefault(op, _cpu_ring_attention)
+
+
+def _heads_or_replicated(outputs: int):
+    """A DTensor sharding strategy for an attention op with ``outputs`` tensor outputs whose
+    tensor inputs and outputs are all [batch, heads, ...]: all replicated, or all sharded on
+    the heads (tensor parallelism's layout, as torch's strategies for the CUDA kernels)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._op_schema import OpStrategy
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    def strategy(op_schema):
+        tensors = sum(isinstance(a, OpStrategy) for a in op_schema.args_schema)
+        width = outputs + tensors
+        return expand_to_full_mesh_op_strategy(
+            op_schema.get_mesh_from_args(),
+            op_schema,
+            [[Replicate()] * width, [Shard(1)] * width],
+            input_index=outputs,
+        )
+
+    return strategy
+
+
+def install_tp_attention_cpu_shim() -> None:
+    """Tensor parallelism of attention that hands DTensors to SDPA (qwen3's plan) on CPU
+    (idempotent): torch's DTensor has sharding strategies for the CUDA attention kernels
+    only; give the CPU flash-attention op and its backward the same heads-sharded one."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    from torch.distributed.tensor._ops.utils import register_op_strategy
+
+    aten = torch.ops.aten
+    known = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+    # (op, tensor outputs, index of its first non-tensor argument: dropout_p)
+    for op, outputs, static in (
+        (aten._scaled_dot_product_flash_attention_for_cpu.default, 2, 3),
+        (aten._scaled_dot_product_flash_attention_for_cpu_backward.default, 3, 6),
+    ):
+        if op not in known:
+            strategy = _heads_or_replicated(outputs)
+            register_op_strategy(op, schema_info=RuntimeSchemaInfo(static))(strategy)

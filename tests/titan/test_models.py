@@ -289,6 +289,59 @@ def test_tensor_parallel_with_expert_parallelism(tokenizer_dir, tmp_path):
             assert torch.equal(value, saved["optimizer"][f"state.{fqn}.{key}"]), (name, fqn, key)
 
 
+def _first_gradients_equal(mine: dict, stock: dict, count: int) -> None:
+    """Every parameter's first-step gradient, read from the optimizer states after step 1
+    (clipping off; Muon's momentum holds 0.05 g, AdamW's first moment 0.1 g), equal in the
+    DMuon run ``mine`` and the stock AdamW run ``stock`` within 1e-6 of its largest entry."""
+    firsts = {k: v for k, v in stock.items() if k.endswith(".exp_avg")}
+    assert len(firsts) == count
+    for key, theirs in firsts.items():
+        base = key[: -len(".exp_avg")]
+        muon = f"{base}.momentum_buffer"
+        ours = mine[muon] / 0.05 if muon in mine else mine[key] / 0.1
+        gap = (ours - theirs / 0.1).abs().max()
+        assert gap <= 1e-6 * (theirs / 0.1).abs().max(), (key, gap)
+
+
+def test_qwen3_with_tensor_parallelism(tokenizer_dir, tmp_path):
+    """qwen3 (its plan hands DTensors to SDPA: the toy harness gives the CPU attention kernel
+    torch's heads-sharded strategy) at tp 2 on 2 CPU ranks from one seed checkpoint: the
+    first step's gradients equal stock torchtitan's (AdamW, FSDP2 x TP) within 1e-6, and
+    over 4 steps (fp32 NS, clipping on) the losses equal the naive path's within 1e-5 and
+    fall."""
+    flavor = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
+    seed, _ = seed_checkpoint(
+        tokenizer_dir,
+        tmp_path / "seed",
+        *flavor,
+        "--training.seq_len",
+        "64",
+        "--validation.no-enable",
+    )
+    common = [*model_args("qwen3", "debugmodel", 4), *from_seed(seed, 4), *TP2]
+    first = ["--checkpoint.interval", "1", "--training.max_norm", "1000", "--training.steps", "1"]
+    adamw = REPO / "configs" / "toy_adamw.toml"
+    for name, config in (("dmuon1", TOY), ("adamw1", adamw)):
+        run_ok(2, *toy_args(tokenizer_dir, tmp_path / name, *common, *first, config=config))
+    mine, stock = (
+        read_checkpoint(tmp_path / d / "checkpoint" / "step-1", tmp_path / d)["optimizer"]
+        for d in ("dmuon1", "adamw1")
+    )
+    _first_gradients_equal(mine, stock, 90)
+    assert sum(k.endswith(".momentum_buffer") for k in mine) == 56
+
+    clipped = ["--training.max_norm", "0.5"]
+    out = run_ok(2, *toy_args(tokenizer_dir, tmp_path / "dmuon", *common, *clipped))
+    assert "x 2 tensor-parallel" in out
+    run_ok(
+        2, *toy_args(tokenizer_dir, tmp_path / "naive", *common, *clipped, "--dmuon.mode", "naive")
+    )
+    mine_loss, naive = tb_losses(tmp_path / "dmuon"), tb_losses(tmp_path / "naive")
+    assert sorted(mine_loss) == [1, 2, 3, 4] and mine_loss[4] < mine_loss[1]
+    for step in range(1, 5):
+        assert abs(mine_loss[step] - naive[step]) <= 1e-5, (step, mine_loss[step], naive[step])
+
+
 def test_deepseek_v3_with_tensor_and_expert_parallelism(tokenizer_dir, tmp_path):
     """deepseek_v3 at dp 2 x tp 2 x ep 2 (4 CPU ranks) from one seed checkpoint: torchtitan's
     plan keeps attention.wkv_a whole on every tp rank (NoParallel), so the default selection
@@ -316,14 +369,7 @@ def test_deepseek_v3_with_tensor_and_expert_parallelism(tokenizer_dir, tmp_path)
         read_checkpoint(tmp_path / d / "checkpoint" / "step-1", tmp_path / d)["optimizer"]
         for d in ("dmuon", "adamw")
     )
-    firsts = {k: v for k, v in stock.items() if k.endswith(".exp_avg")}
-    assert len(firsts) == 83
-    for key, theirs in firsts.items():
-        base = key[: -len(".exp_avg")]
-        ours = mine[f"{base}.momentum_buffer"] / 0.05 if f"{base}.momentum_buffer" in mine else None
-        ours = mine[key] / 0.1 if ours is None else ours
-        gap = (ours - theirs / 0.1).abs().max()
-        assert gap <= 1e-6 * (theirs / 0.1).abs().max(), (key, gap)
+    _first_gradients_equal(mine, stock, 83)
     assert sum(k.endswith(".momentum_buffer") for k in mine) == 51
     losses = tb_losses(tmp_path / "dmuon")
     assert losses[3] < losses[1]
