@@ -31,12 +31,15 @@ FSDP_CASES = [
     with_(EXPERTS, micro_batches=2, reshard_after_forward=False, max_norm=0.5),
 ]
 #: layouts with replicas (DDP on 2 ranks, HSDP 2 × 2 on 4) and expert parallelism (the
-#: expert mesh cuts the stacks; each share's pieces are owned over the ranks that hold it)
+#: expert mesh cuts the stacks; each share's pieces are owned over the ranks that hold it),
+#: also with tensor parallelism (the expert mesh spans the tp ranks, as torchtitan's does;
+#: each tp rank routes its share of the tokens)
 REPLICA_CASES = {
     2: [
         with_(EXPERTS, ddp=True),
         with_(EXPERTS, ddp=True, reshard_after_forward=False),
         with_(EXPERTS, ep=2),
+        with_(EXPERTS, tp=2, ep=2),
     ],
     4: [
         with_(EXPERTS, replicate=2),
@@ -45,6 +48,8 @@ REPLICA_CASES = {
         with_(EXPERTS, ep=2, reshard_after_forward=False, activation_checkpointing=True),
         with_(EXPERTS, ep=4),
         with_(EXPERTS, ep=2, replicate=2),
+        with_(EXPERTS, tp=2, ep=2, max_norm=0.5),
+        with_(EXPERTS, tp=2, ep=4),
     ],
 }
 

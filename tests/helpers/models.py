@@ -359,9 +359,59 @@ class GroupedExperts(nn.Module):
         return torch.zeros_like(y).index_copy(0, order, y)
 
 
+class _TakeSlice(torch.autograd.Function):
+    """This tensor-parallel rank's rows of a tensor every tp rank holds whole; backward
+    all-gathers the rows' gradients (each rank's slice fed its own rows)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        rows = x.shape[0] // dist.get_world_size(group)
+        start = dist.get_rank(group) * rows
+        return x[start : start + rows].clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_rows(grad.contiguous(), ctx.group), None
+
+
+class _GatherSlices(torch.autograd.Function):
+    """Every tensor-parallel rank's rows, concatenated (what every rank then computes with,
+    alike); backward keeps this rank's rows of the gradient (every rank has all of it)."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group, ctx.rows = group, part.shape[0]
+        ctx.start = dist.get_rank(group) * part.shape[0]
+        return _gather_rows(part.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.start : ctx.start + ctx.rows].clone(), None
+
+
+def _gather_rows(part: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    out = part.new_empty((part.shape[0] * dist.get_world_size(group), *part.shape[1:]))
+    dist.all_gather_into_tensor(out, part, group=group)
+    return out
+
+
 class GroupedMoE(nn.Module):
     """Router (top-1 by the ``token % E`` hash of ``MoELayer``, gated by its softmax), grouped
-    experts, and a shared expert every token goes through."""
+    experts, and a shared expert every token goes through.
+
+    ``tp_group`` (tensor parallelism with expert parallelism, set by the test): every tp rank
+    holds every token; each routes its own share of them through the experts and the results
+    are gathered, as torchtitan's sequence-parallel reorderer does (else each expert would see
+    every token once per tp rank)."""
+
+    tp_group = None
 
     def __init__(self, dim: int, hidden: int, n_experts: int, sliced: bool = False) -> None:
         super().__init__()
@@ -373,7 +423,16 @@ class GroupedMoE(nn.Module):
         b, t, d = x.shape
         flat, ids = x.reshape(-1, d), expert_ids.reshape(-1)
         gates = torch.softmax(self.router(flat), dim=-1).gather(1, ids[:, None])
-        out = self.experts(flat, ids, gates) + self.shared_expert(flat)
+        if self.tp_group is None:
+            routed = self.experts(flat, ids, gates)
+        else:
+            import torch.distributed as dist
+
+            rows = ids.shape[0] // dist.get_world_size(self.tp_group)
+            mine = ids[dist.get_rank(self.tp_group) * rows :][:rows]
+            part = self.experts(_TakeSlice.apply(flat, self.tp_group), mine, 1.0)
+            routed = gates * _GatherSlices.apply(part, self.tp_group)
+        out = routed + self.shared_expert(flat)
         return out.view(b, t, d)
 
 

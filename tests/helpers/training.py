@@ -214,6 +214,12 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for layer in model.layers:
         plan = {name: styles[style]() for name, style in TP_PLAN.items()}
+        moe = getattr(layer, "moe", None)
+        if moe is not None:  # (a grouped MoE block: the shared expert for the feed-forward)
+            plan = {
+                name.replace("feed_forward.", "moe.shared_expert."): style
+                for name, style in plan.items()
+            }
         parallelize_module(layer, tp_mesh, plan)
 
 
@@ -271,6 +277,8 @@ def build_dmuon(cfg: RunConfig, world_size: int):
     if expert_mesh is not None:
         for layer in model.layers:
             layer.moe.experts.ep_group = expert_mesh.get_group()
+            if tp_mesh is not None:  # (each tp rank routes its share of the tokens)
+                layer.moe.tp_group = tp_mesh.get_group()
     if cfg.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             checkpoint_wrapper,
