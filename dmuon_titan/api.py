@@ -106,10 +106,11 @@ def dedicate_params(
             with ``tp_mesh`` among the data-parallel × tensor-parallel ones) that
             cuts every expert stack along dim 0, as EP's ``Shard(0)`` does: each rank computes
             with its share of the experts, which is what forward sees (a ``Shard(0)`` DTensor
-            on this mesh), and that share's pieces are owned over the data-parallel (× tensor-
-            parallel) ranks of the same expert coordinate. The expert count must be divisible by its size. Your
-            expert parallelism then only dispatches tokens: it must leave the dedicated stacks
-            as they are (the torchtitan plugin makes torchtitan's ``ExpertParallel`` do so).
+            on this mesh), and that share's pieces are owned over the data-parallel (×
+            tensor-parallel) ranks of the same expert coordinate. The expert count must be
+            divisible by its size. Your expert parallelism then only dispatches tokens: it
+            must leave the dedicated stacks as they are (the torchtitan plugin makes
+            torchtitan's ``ExpertParallel`` do so).
         allow_empty: a predicate that selects nothing is an error unless this is set. Every
             rank of the world must call ``dedicate_params`` equally often (it creates process
             groups, which takes every rank): under pipeline parallelism once per stage part
@@ -345,13 +346,13 @@ def _check_tensor_parallel(specs: list[ParamSpec], tp_size: int, expert_mesh) ->
     if tp_size == 1:
         return
     for spec in specs:
-        if spec.stacked and expert_mesh is None:
-            raise ValueError(
-                f"dedicated expert stack {spec.fqn!r} with tp_mesh and no expert_mesh: "
-                "expert stacks are not tensor-parallelized by DMuon; cut them by expert "
-                "parallelism (expert_mesh), or exclude them or drop tp_mesh"
-            )
         if spec.stacked:
+            if expert_mesh is None:
+                raise ValueError(
+                    f"dedicated expert stack {spec.fqn!r} with tp_mesh and no expert_mesh: "
+                    "expert stacks are not tensor-parallelized by DMuon; cut them by expert "
+                    "parallelism (expert_mesh), or exclude them or drop tp_mesh"
+                )
             continue
         if all(dim % tp_size for dim in spec.shape):
             raise ValueError(

@@ -235,11 +235,7 @@ def finalize(pending: list[PendingReduce], divide_factor: float, tp_exchange=Non
             grads[p.index] = grad
             received[p.index] = p
     if tp_exchange is not None:  # (the tp ranks of a row agree on presence: one forward)
-        # the matrices' tp shards, gathered on their owners; a stack's piece is whole already
-        # (expert parallelism, not TP, cuts stacks across the tp ranks)
-        stacks = {i: g for i, g in grads.items() if received[i].stacked}
-        sharded = {i: g for i, g in grads.items() if not received[i].stacked}
-        grads = {**tp_exchange.gather_grads(sharded), **stacks}
+        grads = tp_exchange.gather_grads(grads)
     for index, grad in grads.items():
         p = received[index]
         if not (p.is_owner and present[index]):

@@ -104,6 +104,7 @@ class TensorParallelExchange:
             if not p.stacked and p.in_owner_row:
                 self.row[p.owner_tp_rank].append(p)
         self.owned = self.row[self.tp_rank]
+        self._row_indices = {p.index for part in self.row for p in part}
 
     def dtypes(self, dtype_of) -> list[torch.dtype]:
         """Every dtype of the row's matrices (the same list, in one order, on every rank of
@@ -116,9 +117,11 @@ class TensorParallelExchange:
     ) -> dict[int, torch.Tensor]:
         """The row's reduced tp-shard gradients ``local`` (parameter index -> shard, reduce
         dtype; zeros where this rank had none) to their owners: returns the whole gradient
-        of each matrix this rank owns, by index."""
+        of each matrix this rank owns, by index. What is not the row's passes through as it
+        is: an expert stack's piece (expert parallelism, not TP, cuts stacks across the tp
+        ranks)."""
         device = self.comm.device
-        whole: dict[int, torch.Tensor] = {}
+        whole = {i: g for i, g in local.items() if i not in self._row_indices}
         for dtype in self.dtypes(lambda p: p.reduce_dtype):
             send_parts = [
                 [p for p in part if p.reduce_dtype == dtype] for part in self.row
