@@ -22,6 +22,17 @@ from .test_titan import (
 FLOAT8 = ["--model.converters", "quantize.linear.float8,dmuon", "--quantize.linear.float8.emulate"]
 
 
+def checkpointed_from(seed: str, total_steps: int, interval: int) -> list[str]:
+    """Overrides for a run from the seed checkpoint ``seed`` that saves every ``interval``
+    steps (LR schedule fixed to ``total_steps``), validation off."""
+    return [
+        "--validation.no-enable",
+        *checkpointed_args(total_steps=total_steps, interval=interval, validation_freq=100),
+        "--checkpoint.initial_load_path",
+        seed,
+    ]
+
+
 def test_float8_linears_with_dmuon_equal_the_naive_path(tokenizer_dir, tmp_path, toy_seed):
     """float8 linears (emulated) on 2 ranks from one seed checkpoint: the owners keep fp32
     masters and forward casts the broadcast weights to float8 as it casts FSDP2's, so the
@@ -59,10 +70,7 @@ def test_context_parallel_equals_one_rank_and_resumes(tokenizer_dir, tmp_path, t
     losses equal the one-rank run's (same global batch) within 1e-5 over 10 steps; stopped
     at 5 and resumed, steps 6-10 are bit-identical."""
     common = [
-        "--validation.no-enable",
-        *checkpointed_args(total_steps=10, interval=5, validation_freq=100),
-        "--checkpoint.initial_load_path",
-        toy_seed,
+        *checkpointed_from(toy_seed, 10, 5),
         "--dmuon.ns_dtype",
         "float32",
     ]
@@ -136,10 +144,7 @@ def _resumes_at_3_and_loads(tokenizer_dir, tmp_path, seed: str, layout: list, la
     and resumed, steps 4-6 are bit-identical to the uninterrupted run, and its step-3
     checkpoint holds exactly the saved weights and momentum loaded at each of ``layouts``."""
     common = [
-        "--validation.no-enable",
-        *checkpointed_args(total_steps=6, interval=3, validation_freq=100),
-        "--checkpoint.initial_load_path",
-        seed,
+        *checkpointed_from(seed, 6, 3),
         "--training.max_norm",
         "0.1",
     ]
@@ -206,10 +211,7 @@ def test_tensor_parallel_equals_the_naive_path_resumes_and_loads_at_other_degree
     weights and momentum. With ``[dmuon] tp_ns = "shared"`` (each row's two ranks share
     every Newton–Schulz) the losses equal the naive path's within 1e-5 as well."""
     common = [
-        "--validation.no-enable",
-        *checkpointed_args(total_steps=10, interval=5, validation_freq=100),
-        "--checkpoint.initial_load_path",
-        toy_seed,
+        *checkpointed_from(toy_seed, 10, 5),
         "--dmuon.ns_dtype",
         "float32",
         "--training.max_norm",
@@ -341,10 +343,7 @@ def _tensor_parallel_float8_runs(tokenizer_dir, tmp_path, toy_seed, nproc: int, 
     common = [
         *FLOAT8,
         *layout,
-        "--validation.no-enable",
-        *checkpointed_args(total_steps=4, interval=1, validation_freq=100),
-        "--checkpoint.initial_load_path",
-        toy_seed,
+        *checkpointed_from(toy_seed, 4, 1),
         "--dmuon.ns_dtype",
         "float32",
         "--training.max_norm",

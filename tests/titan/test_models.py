@@ -221,8 +221,7 @@ def test_tensor_parallel_with_expert_parallelism(tokenizer_dir, tmp_path):
       moves the gradients by up to ~3e-3 of their largest entry), and the experts moved;
     - later losses stay as close to the dp 2 x ep 2 run's as AdamW's do, and fall;
     - the step-2 checkpoint loads at both layouts with identical weights and momentum."""
-    flavor = ["--model.name", "llama4", "--model.flavor", "debugmodel", "--training.seq_len", "64"]
-    seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed", *flavor)
+    seed = _model_seed(tokenizer_dir, tmp_path, "llama4", "debugmodel")
     common = [
         *model_args("llama4", "debugmodel", 4),
         *checkpointed_args(total_steps=4, interval=1, validation_freq=100),
@@ -289,6 +288,31 @@ def test_tensor_parallel_with_expert_parallelism(tokenizer_dir, tmp_path):
             assert torch.equal(value, saved["optimizer"][f"state.{fqn}.{key}"]), (name, fqn, key)
 
 
+def _model_seed(tokenizer_dir, tmp_path, name: str, flavor: str) -> str:
+    """A one-rank AdamW seed checkpoint of torchtitan's ``name`` ``flavor`` at the sequence
+    length of :func:`model_args`: its path."""
+    model = ["--model.name", name, "--model.flavor", flavor, "--training.seq_len", "64"]
+    seed, _ = seed_checkpoint(tokenizer_dir, tmp_path / "seed", *model, "--validation.no-enable")
+    return seed
+
+
+def _first_step_states(tokenizer_dir, tmp_path, nproc: int, overrides, steps: int = 1):
+    """``steps`` steps (clipping off, a checkpoint after each) of DMuon and of stock
+    torchtitan's AdamW, each on ``nproc`` ranks with ``overrides``, into ``tmp_path/dmuon1``
+    and ``tmp_path/adamw1``: (DMuon's optimizer state after step 1, AdamW's, DMuon's
+    output)."""
+    first = ["--checkpoint.interval", "1", "--training.max_norm", "1000"]
+    first += ["--training.steps", str(steps)]
+    states, outputs = [], []
+    for name, config in (("dmuon1", TOY), ("adamw1", REPO / "configs" / "toy_adamw.toml")):
+        dump = tmp_path / name
+        outputs.append(
+            run_ok(nproc, *toy_args(tokenizer_dir, dump, *overrides, *first, config=config))
+        )
+        states.append(read_checkpoint(dump / "checkpoint" / "step-1", dump)["optimizer"])
+    return states[0], states[1], outputs[0]
+
+
 def _first_gradients_equal(mine: dict, stock: dict, count: int) -> None:
     """Every parameter's first-step gradient, read from the optimizer states after step 1
     (clipping off; Muon's momentum holds 0.05 g, AdamW's first moment 0.1 g), equal in the
@@ -309,24 +333,9 @@ def test_qwen3_with_tensor_parallelism(tokenizer_dir, tmp_path):
     first step's gradients equal stock torchtitan's (AdamW, FSDP2 x TP) within 1e-6, and
     over 4 steps (fp32 NS, clipping on) the losses equal the naive path's within 1e-5 and
     fall."""
-    flavor = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
-    seed, _ = seed_checkpoint(
-        tokenizer_dir,
-        tmp_path / "seed",
-        *flavor,
-        "--training.seq_len",
-        "64",
-        "--validation.no-enable",
-    )
+    seed = _model_seed(tokenizer_dir, tmp_path, "qwen3", "debugmodel")
     common = [*model_args("qwen3", "debugmodel", 4), *from_seed(seed, 4), *TP2]
-    first = ["--checkpoint.interval", "1", "--training.max_norm", "1000", "--training.steps", "1"]
-    adamw = REPO / "configs" / "toy_adamw.toml"
-    for name, config in (("dmuon1", TOY), ("adamw1", adamw)):
-        run_ok(2, *toy_args(tokenizer_dir, tmp_path / name, *common, *first, config=config))
-    mine, stock = (
-        read_checkpoint(tmp_path / d / "checkpoint" / "step-1", tmp_path / d)["optimizer"]
-        for d in ("dmuon1", "adamw1")
-    )
+    mine, stock, _ = _first_step_states(tokenizer_dir, tmp_path, 2, common)
     _first_gradients_equal(mine, stock, 90)
     assert sum(k.endswith(".momentum_buffer") for k in mine) == 56
 
@@ -349,29 +358,14 @@ def test_deepseek_v3_with_tensor_and_expert_parallelism(tokenizer_dir, tmp_path)
     torchtitan's (AdamW, FSDP2 x TP x EP) within 1e-6 of each tensor's largest entry, read
     from the first moments (Muon's momentum 0.05 g, AdamW's 0.1 g), and the loss falls.
     Selecting wkv_a explicitly is refused in one line naming it."""
-    flavor = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
-    seed, _ = seed_checkpoint(
-        tokenizer_dir,
-        tmp_path / "seed",
-        *flavor,
-        "--training.seq_len",
-        "64",
-        "--validation.no-enable",
-    )
+    seed = _model_seed(tokenizer_dir, tmp_path, "deepseek_v3", "debugmodel")
     common = [*model_args("deepseek_v3", "debugmodel", 3), *from_seed(seed, 3), *TP2, *EP2]
-    common += ["--checkpoint.interval", "1", "--training.max_norm", "1000"]
-    out = run_ok(4, *toy_args(tokenizer_dir, tmp_path / "dmuon", *common))
+    mine, stock, out = _first_step_states(tokenizer_dir, tmp_path, 4, common, steps=3)
     assert "keeps attention.wkv_a, attention.wq_a whole on every tp rank" in out
     assert "layers.N.attention.wkv_a.weight x6" in out.split("; AdamW")[1].split("\n")[0]
-    adamw = REPO / "configs" / "toy_adamw.toml"
-    run_ok(4, *toy_args(tokenizer_dir, tmp_path / "adamw", *common, config=adamw))
-    mine, stock = (
-        read_checkpoint(tmp_path / d / "checkpoint" / "step-1", tmp_path / d)["optimizer"]
-        for d in ("dmuon", "adamw")
-    )
     _first_gradients_equal(mine, stock, 83)
     assert sum(k.endswith(".momentum_buffer") for k in mine) == 51
-    losses = tb_losses(tmp_path / "dmuon")
+    losses = tb_losses(tmp_path / "dmuon1")
     assert losses[3] < losses[1]
 
     rc, out = launch(
