@@ -9,7 +9,10 @@
 #   titan_bf16  the DMuon run again with bf16 Newton-Schulz, plain and "auto" (GPU settings)
 #   models  DMuon trains deepseek_v3 and gpt_oss debug models (gpt_oss's FlexAttention has no
 #           CPU backward, so this is where it runs)
-#   scripts/run/moe_one_gpu.sh OUTDIR [bench] [titan] [titan_bf16] [models]
+#   gpt_oss AdamW then DMuon on gpt_oss debugmodel_small, 20 steps from the same seed, with
+#           FlexAttention compiled in Inductor's default mode (scripts/bench/titan_flex_default.py:
+#           torchtitan's max-autotune compile outlasts a device call)
+#   scripts/run/moe_one_gpu.sh OUTDIR [bench] [titan] [titan_bf16] [models] [gpt_oss]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: scripts/run/moe_one_gpu.sh OUTDIR [bench] [titan] [models]}
@@ -21,10 +24,10 @@ QWEN_MOE=(--model.name qwen3 --model.flavor moe_1B --training.seq_len 2048
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 python3 -m dmuon_titan.toy --out outputs/assets/tokenizer
-titan() {  # titan NAME CONFIG [overrides...]
+titan() {  # titan NAME CONFIG [overrides...]; ENTRY: the trainer (default -m torchtitan.train)
   local name=$1 config=$2
   shift 2
-  torchrun --standalone --nproc_per_node=1 --role rank --tee 3 -m torchtitan.train \
+  torchrun --standalone --nproc_per_node=1 --role rank --tee 3 ${ENTRY:--m torchtitan.train} \
     --job.config_file "$config" --job.dump_folder "$OUT/dump_$name" \
     --metrics.disable_color_printing --validation.no-enable "$@" >"$OUT/$name.log" 2>&1 \
     || { echo "$name failed:"; tail -30 "$OUT/$name.log"; return 1; }
@@ -51,5 +54,11 @@ for part in $PARTS; do
         --model.flavor debugmodel --training.steps 20 --metrics.log_freq 5
       titan gpt_oss_dmuon configs/toy_dmuon.toml --model.name gpt_oss \
         --model.flavor debugmodel_small --training.steps 20 --metrics.log_freq 5 ;;
+    gpt_oss)
+      for opt in adamw dmuon; do
+        ENTRY=scripts/bench/titan_flex_default.py titan "gpt_oss_flex_default_$opt" \
+          "configs/toy_$opt.toml" --model.name gpt_oss --model.flavor debugmodel_small \
+          --training.steps 20 --metrics.log_freq 1 --debug.seed 1
+      done ;;
   esac
 done
