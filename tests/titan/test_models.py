@@ -384,6 +384,27 @@ def test_deepseek_v3_with_tensor_and_expert_parallelism(tokenizer_dir, tmp_path)
     assert "Traceback" not in out
 
 
+def test_qwen3_moe_with_tensor_and_expert_parallelism(tokenizer_dir, tmp_path):
+    """qwen3's MoE (every block; SDPA on DTensors, as above) at dp 2 x tp 2 x ep 2 (4 CPU
+    ranks) from one seed checkpoint: the first step's gradients (clipping off) equal stock
+    torchtitan's (AdamW, FSDP2 x TP x EP) within 1e-6 of each tensor's largest entry, the
+    expert stacks among them, and the loss falls."""
+    seed = _model_seed(tokenizer_dir, tmp_path, "qwen3", "debugmodel_moe_small")
+    common = [
+        *model_args("qwen3", "debugmodel_moe_small", 3),
+        *from_seed(seed, 3),
+        *TP2,
+        *EP2,
+    ]
+    mine, stock, out = _first_step_states(tokenizer_dir, tmp_path, 4, common, steps=3)
+    assert "x 2 tensor-parallel, experts cut by expert parallelism 2" in out
+    _first_gradients_equal(mine, stock, 27)
+    momentum = [k for k in mine if k.endswith(".momentum_buffer")]
+    assert len(momentum) == 14 and sum(".experts." in k for k in momentum) == 6
+    losses = tb_losses(tmp_path / "dmuon1")
+    assert losses[3] < losses[1]
+
+
 @pytest.mark.slow
 def test_qwen3_moe_debugmodel_trains_with_dmuon(tokenizer_dir, tmp_path):
     _trains(tokenizer_dir, tmp_path, "qwen3", "debugmodel_moe")
