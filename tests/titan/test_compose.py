@@ -359,16 +359,17 @@ def _tensor_parallel_float8_runs(tokenizer_dir, tmp_path, toy_seed, nproc: int, 
 
 
 def _check_float8_step_one_and_losses(tmp_path, dmuon_dump, naive_dump) -> None:
-    """DMuon's first step equals the naive path's: the same losses at steps 1 and 2 (within
-    1e-6), and after step 1 every Muon matrix and its momentum within 1e-6 of the naive
-    path's (relative to the matrix's largest entry). From there float8 rounding, which turns
-    1e-7 differences into whole float8 steps for some entries, lets the two drift (7.5e-4 in
-    the loss seen at step 4; the naive path drifts from a one-rank float8 run as much):
-    later losses within 3e-3, and the loss falls."""
+    """DMuon's first step equals the naive path's: the same loss at step 1 (within 1e-6),
+    and after step 1 every Muon matrix and its momentum within 1e-6 of the naive path's
+    (relative to the matrix's largest entry). From there float8 rounding, which turns 1e-7
+    differences into whole float8 steps for some entries, lets the two drift: step 2's loss
+    within 1e-4 (0 on one CPU, 2.9e-5 on another: which entries flip depends on the CPU's
+    float32 kernels), later losses within 3e-3 (7.5e-4 seen at step 4; the naive path drifts
+    from a one-rank float8 run as much), and the loss falls."""
     ld, ln = tb_losses(dmuon_dump), tb_losses(naive_dump)
     assert sorted(ld) == sorted(ln) == [1, 2, 3, 4]
-    for step in (1, 2):
-        assert abs(ld[step] - ln[step]) <= 1e-6, (step, ld[step], ln[step])
+    assert abs(ld[1] - ln[1]) <= 1e-6, (ld[1], ln[1])
+    assert abs(ld[2] - ln[2]) <= 1e-4, (ld[2], ln[2])
     for step in (3, 4):
         assert abs(ld[step] - ln[step]) <= 3e-3, (step, ld[step], ln[step])
     assert ld[4] < ld[1]
