@@ -15,7 +15,7 @@
 #   scripts/run/moe_one_gpu.sh OUTDIR [bench] [titan] [titan_bf16] [models] [gpt_oss]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: scripts/run/moe_one_gpu.sh OUTDIR [bench] [titan] [models]}
+OUT=${1:?usage: scripts/run/moe_one_gpu.sh OUTDIR [bench] [titan] [titan_bf16] [models] [gpt_oss]}
 shift
 PARTS=${*:-bench titan titan_bf16 models}
 QWEN_MOE=(--model.name qwen3 --model.flavor moe_1B --training.seq_len 2048

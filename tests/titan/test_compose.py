@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from .test_titan import (
-    checkpointed_args,
+    checkpointed_from,
     from_seed,
     optimizer_tensors,
     read_checkpoint,
@@ -20,17 +20,6 @@ from .test_titan import (
 )
 
 FLOAT8 = ["--model.converters", "quantize.linear.float8,dmuon", "--quantize.linear.float8.emulate"]
-
-
-def checkpointed_from(seed: str, total_steps: int, interval: int) -> list[str]:
-    """Overrides for a run from the seed checkpoint ``seed`` that saves every ``interval``
-    steps (LR schedule fixed to ``total_steps``), validation off."""
-    return [
-        "--validation.no-enable",
-        *checkpointed_args(total_steps=total_steps, interval=interval, validation_freq=100),
-        "--checkpoint.initial_load_path",
-        seed,
-    ]
 
 
 def test_float8_linears_with_dmuon_equal_the_naive_path(tokenizer_dir, tmp_path, toy_seed):

@@ -14,6 +14,7 @@ from .test_titan import (
     REPO,
     TOY,
     checkpointed_args,
+    checkpointed_from,
     from_seed,
     launch,
     model_size,
@@ -224,9 +225,7 @@ def test_tensor_parallel_with_expert_parallelism(tokenizer_dir, tmp_path):
     seed = _model_seed(tokenizer_dir, tmp_path, "llama4", "debugmodel")
     common = [
         *model_args("llama4", "debugmodel", 4),
-        *checkpointed_args(total_steps=4, interval=1, validation_freq=100),
-        "--checkpoint.initial_load_path",
-        seed,
+        *checkpointed_from(seed, 4, 1),
         "--training.max_norm",
         "0.5",
     ]

@@ -94,6 +94,17 @@ def checkpointed_args(total_steps: int, interval: int, validation_freq: int) -> 
     ]
 
 
+def checkpointed_from(seed: str, total_steps: int, interval: int) -> list[str]:
+    """Overrides for a run from the seed checkpoint ``seed`` that saves every ``interval``
+    steps (LR schedule fixed to ``total_steps``), validation off."""
+    return [
+        "--validation.no-enable",
+        *checkpointed_args(total_steps=total_steps, interval=interval, validation_freq=100),
+        "--checkpoint.initial_load_path",
+        seed,
+    ]
+
+
 def from_seed(seed: str, steps: int) -> list[str]:
     """Overrides for a run of ``steps`` steps that starts from the seed checkpoint ``seed``
     (checkpointing on, so that it can load one, but no interval save within the run)."""
