@@ -15,8 +15,8 @@ from .api import (
     wait_all_replicate_broadcasts,
 )
 from .clip import clip_grad_norm_
-from .muon import Muon
-from .newton_schulz import NS_COEFFICIENT_SETS
+from .ops.newton_schulz import NS_COEFFICIENT_SETS
+from .optim.muon import Muon
 from .runtime.init_rng import independent_init
 from .state_dict import (
     get_model_state_dict,

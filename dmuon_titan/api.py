@@ -19,33 +19,28 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .ops.ns_cost import shared_ns_moved_bytes
 from .options import DedicateOptions
 from .plan import ParamSpec, plan_partition, select_boundaries
 from .plan.collectives import boundary_collectives
-from .plan.cost import shared_ns_moved_bytes
 from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL
 from .runtime.collectives import Collectives
 from .runtime.fsdp import install_fully_shard_patch, install_replicate_patch, register_tied
 from .runtime.group import BoundaryGroup
 from .runtime.hooks import (
-    WRAPPER_SEGMENTS,
     compile_wrappers,
     register_boundary_hooks,
     register_root_hooks,
     register_scope_hooks,
 )
 from .runtime.mesh import MeshInfo, mesh_info
+from .runtime.modules import clean_fqn
 from .runtime.owned_param import DedicatedParam
 from .runtime.state import STATE_ATTR, DMuonState, get_state
 from .runtime.tensor_parallel import install_tensor_parallel_patch
 
 ParamPredicate = Callable[[str, nn.Parameter], bool]
 ModulePredicate = Callable[[nn.Module], bool]
-
-
-def clean_fqn(fqn: str) -> str:
-    """Drop activation-checkpoint / torch.compile / FSDP1 wrapper segments from a name."""
-    return ".".join(s for s in fqn.split(".") if s not in WRAPPER_SEGMENTS)
 
 
 def dedicate_params(

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from .newton_schulz import JORDAN_COEFFICIENTS, Coefficients, normalize_coefficients
+from .ops.newton_schulz import JORDAN_COEFFICIENTS, Coefficients, normalize_coefficients
+from .ops.ns_cost import NS_ALGORITHMS
+from .ops.update import ADJUST_LR_FNS
 from .plan.collectives import BOUNDARY_COLLECTIVES
-from .plan.cost import NS_ALGORITHMS
 from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL, TP_NS_MODES
-from .update import ADJUST_LR_FNS
 
 #: Default chunk of batched Newton–Schulz: 2**27 elements (256 MiB in bf16, plus NS's own
 #: working copies of that size).

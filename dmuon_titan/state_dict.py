@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .api import clean_fqn, wait_all_replicate_broadcasts
-from .muon import Muon
+from .optim.muon import Muon
 from .runtime.mesh import grid_device_mesh
 from .runtime.owned_param import DedicatedParam
 from .runtime.state import STATE_ATTR, DMuonState

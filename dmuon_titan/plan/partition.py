@@ -19,7 +19,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cost import check_ns_algorithm, column_block_width, orthogonalize_flops
+from ..ops.ns_cost import check_ns_algorithm, column_block_width, orthogonalize_flops
 
 #: Matrices with at most this many elements are "small": all small matrices of one boundary
 #: go to a single owner so the boundary issues one collective for them instead of many.

@@ -9,7 +9,7 @@ that already gathers its gradient shards:
 
 1. each owner cuts the NS input of each shared matrix it owns into T column blocks of its
    wide orientation and sends rank k block k (one all-to-all over the row for all of them);
-2. the row runs :func:`~dmuon_titan.newton_schulz.orthogonalize_column_blocks` on every
+2. the row runs :func:`~dmuon_titan.runtime.column_blocks.orthogonalize_column_blocks` on every
    same-shape batch of the row's shared matrices, in plan order (one m×m all-reduce and one
    all-gather per iteration and batch);
 3. the blocks of the result go back to their owners (one more all-to-all), who update.
@@ -24,14 +24,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ..newton_schulz import (
-    Coefficients,
+from ..ops.newton_schulz import Coefficients
+from ..ops.ns_cost import column_block_width
+from .collectives import Collectives
+from .column_blocks import (
     from_wide_column_blocks,
     orthogonalize_column_blocks,
     wide_column_block,
 )
-from ..plan.cost import column_block_width
-from .collectives import Collectives
 from .owned_param import DedicatedParam
 
 PHASE = "tp_ns"
@@ -44,7 +44,7 @@ SHARED_BATCH_NUMEL = 1 << 27
 
 
 class _RowCollectives:
-    """:class:`~dmuon_titan.newton_schulz.BlockCollectives` over the tp group."""
+    """:class:`~dmuon_titan.runtime.column_blocks.BlockCollectives` over the tp group."""
 
     def __init__(self, comm: Collectives) -> None:
         self.comm = comm

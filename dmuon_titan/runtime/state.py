@@ -156,6 +156,13 @@ class DMuonState:
         #: stays 0 while every owner has its own gradient for every matrix it owns
         self.presence_syncs = 0
 
+    def attach_optimizer(self, optimizer) -> None:
+        """An optimizer that steps the owned matrices (``dmuon_titan.Muon``): its captured
+        step is waited for by the forward, backward and state dicts; a clip may leave its
+        factor to its step."""
+        self.step_graphs.add(optimizer.step_graph)
+        self.optimizers.add(optimizer)
+
     @property
     def device(self) -> torch.device:
         return self.mesh.device

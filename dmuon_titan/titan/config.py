@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from ..newton_schulz import NS_COEFFICIENT_SETS
+from ..ops.newton_schulz import NS_COEFFICIENT_SETS
+from ..ops.update import ADJUST_LR_FNS
 from ..options import DEFAULT_NS_BATCH_NUMEL, DedicateOptions, MuonOptions, OptionError
 from ..plan.partition import DEFAULT_SMALL_PARAM_NUMEL
-from ..update import ADJUST_LR_FNS
 
 
 class ConfigError(SystemExit):

@@ -15,8 +15,8 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
 from ..api import check_pipeline_schedule, clean_fqn, dedicate_params, summarize_plan
+from ..ops.ns_cost import orthogonalize_flops
 from ..options import options_kwargs
-from ..plan.cost import orthogonalize_flops
 from .config import ConfigError
 from .selection import TP_KEPT_WHOLE, describe_selection, muon_predicate
 

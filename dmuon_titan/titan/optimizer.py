@@ -13,8 +13,8 @@ from typing import Any
 from torchtitan.components import optimizer as titan_optimizer
 from torchtitan.components.optimizer import OptimizersContainer
 
-from ..muon import Muon
-from ..naive import NaiveMuon
+from ..optim.muon import Muon
+from ..optim.naive import NaiveMuon
 from ..options import options_kwargs
 from ..state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from .config import ConfigError

@@ -97,7 +97,8 @@ def captured_with_counted_updates(rank: int, world_size: int, configs: list[RunC
     on the same per-matrix fused passes as the graph's (not grouped into foreach passes) and
     its NS on the graph's batches (a matrix with its transposes): both then run the same
     arithmetic on the same values."""
-    from dmuon_titan import fused, muon
+    from dmuon_titan.ops import fused
+    from dmuon_titan.optim import passes
 
     launches = {True: 0, False: 0, "by_table": 0}
 
@@ -119,12 +120,12 @@ def captured_with_counted_updates(rank: int, world_size: int, configs: list[RunC
     def merged_chunks(self, todo, captured):  # (the captured step's NS batches, eagerly too)
         return chunks(self, todo, True)
 
-    chunks = muon.Muon._chunks
+    chunks = passes.MatrixStep.chunks
     with (
-        mock.patch.object(muon.Muon, "_chunks", merged_chunks),
+        mock.patch.object(passes.MatrixStep, "chunks", merged_chunks),
         mock.patch.object(fused, "_update_kernel", Counted(fused._update_kernel, False)),
         mock.patch.object(fused, "_update_table_kernel", Counted(fused._update_table_kernel, True)),
-        mock.patch.object(muon, "GROUPED_PASS_NUMEL", 0),
+        mock.patch.object(passes, "GROUPED_PASS_NUMEL", 0),
     ):
         runs = graph_and_eager(rank, world_size, configs)
     return [runs, launches]
@@ -173,15 +174,15 @@ def test_a_clip_deferred_to_the_captured_step_changes_no_bit():
 
 def on_lanes(rank: int, world_size: int, configs: list[RunConfig]) -> list:
     """:func:`graph_and_eager` of ``configs[0]`` with the captured step's chunks on one
-    stream, then on two (``muon.STEP_LANES``), counting per setting the chunks put on a side
+    stream, then on two (``captured.STEP_LANES``), counting per setting the chunks put on a side
     stream while the step is captured and while it is not."""
-    from dmuon_titan import muon
+    from dmuon_titan.optim import captured
 
     runs, counts = [], []
-    lanes = muon.Muon._lane_streams
+    lanes = captured.CapturedStep.lane_streams
 
-    def counted_lanes(self, chunks, group):
-        streams = lanes(self, chunks, group)
+    def counted_lanes(self, ctx, chunks):
+        streams = lanes(self, ctx, chunks)
         key = "captured" if torch.cuda.is_current_stream_capturing() else "eager"
         counts[-1][key] += sum(s is not None for s in streams)
         return streams
@@ -189,8 +190,8 @@ def on_lanes(rank: int, world_size: int, configs: list[RunConfig]) -> list:
     for count in (1, 2):
         counts.append({"captured": 0, "eager": 0})
         with (
-            mock.patch.object(muon, "STEP_LANES", count),
-            mock.patch.object(muon.Muon, "_lane_streams", counted_lanes),
+            mock.patch.object(captured, "STEP_LANES", count),
+            mock.patch.object(captured.CapturedStep, "lane_streams", counted_lanes),
         ):
             runs += graph_and_eager(rank, world_size, configs[:1])
     return [runs, counts]

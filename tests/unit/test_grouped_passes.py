@@ -9,7 +9,7 @@ from unittest import mock
 import torch
 
 import dmuon_titan as dmuon
-from dmuon_titan import muon as muon_module
+from dmuon_titan.optim import passes as muon_module
 from tests.helpers.models import ToyTransformer, dedicated_predicate, loss_fn
 
 

@@ -90,7 +90,7 @@ def test_unknown_adjust_lr_fn():
 
 
 def test_ns_chunks_group_by_shape_and_bound_the_batch():
-    from dmuon_titan.muon import ns_chunks
+    from dmuon_titan.optim.step_plan import ns_chunks
 
     a = [torch.empty(4, 8) for _ in range(5)]
     b = [torch.empty(8, 4) for _ in range(2)]
@@ -113,7 +113,7 @@ def test_ns_chunks_may_batch_a_shape_with_its_transpose():
     """The captured step's chunks: 4x8 and 8x4 matrices in one batch, each shape's matrices
     consecutive (the shape seen first, first), bounded as before; chunking the chunks'
     concatenation gives the same chunks (the step's table rows follow that order)."""
-    from dmuon_titan.muon import ns_chunks
+    from dmuon_titan.optim.step_plan import ns_chunks
 
     a = [torch.empty(4, 8) for _ in range(3)]
     b = [torch.empty(8, 4) for _ in range(2)]
@@ -145,7 +145,7 @@ def test_ns_chunks_may_batch_a_shape_with_its_transpose():
 
 
 def test_chunk_lanes_balance_the_cost_in_order():
-    from dmuon_titan.muon import chunk_lanes
+    from dmuon_titan.optim.step_plan import chunk_lanes
 
     assert chunk_lanes([1.03, 1.18], 2) == [0, 1]  # (the 170M step's two NS batches)
     assert chunk_lanes([5, 1, 1, 1, 1, 3], 2) == [0, 1, 1, 1, 1, 1]
@@ -408,7 +408,7 @@ def test_orthogonalize_takes_the_measured_forms_by_the_kernel(dtype, shape, monk
 
 
 def test_plain_ns_of_large_matrices_is_not_batched(cpu_mesh):
-    from dmuon_titan.muon import PLAIN_NS_UNBATCHED_NUMEL, ns_chunks
+    from dmuon_titan.optim.step_plan import PLAIN_NS_UNBATCHED_NUMEL, ns_chunks
 
     square = [torch.empty(4096, 4096, device="meta") for _ in range(3)]
     ffn = [torch.empty(14336, 4096, device="meta") for _ in range(3)]

@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from dmuon_titan import newton_schulz as ns
+from dmuon_titan.ops import newton_schulz as ns
+from dmuon_titan.runtime import column_blocks
 
 
 class ThreadGroup:
@@ -58,8 +59,8 @@ def shared_orthogonalize(matrix, size, dtype, coefficients=(ns.JORDAN_COEFFICIEN
 
     def run(rank):
         try:
-            block = ns.wide_column_block(matrix.to(dtype), rank, size)
-            out[rank] = ns.orthogonalize_column_blocks(
+            block = column_blocks.wide_column_block(matrix.to(dtype), rank, size)
+            out[rank] = column_blocks.orthogonalize_column_blocks(
                 block, coefficients, steps, 1e-7, group.member(rank)
             )
         except Exception as err:  # pragma: no cover - surfaced below
@@ -73,7 +74,7 @@ def shared_orthogonalize(matrix, size, dtype, coefficients=(ns.JORDAN_COEFFICIEN
         t.join()
     if errors:
         raise errors[0]
-    return ns.from_wide_column_blocks(out, matrix.shape), group
+    return column_blocks.from_wide_column_blocks(out, matrix.shape), group
 
 
 SHAPES = [(24, 40), (40, 24), (32, 32), (17, 53), (3, 24, 40)]
@@ -121,7 +122,7 @@ def test_shared_ns_in_bfloat16_is_as_close_to_float64_as_the_whole_matrix_ns():
 
 def test_column_blocks_round_trip_and_pad_with_zeros():
     matrix = torch.arange(5 * 7, dtype=torch.float32).view(7, 5)  # tall: blocks of its transpose
-    blocks = [ns.wide_column_block(matrix, r, 3) for r in range(3)]
+    blocks = [column_blocks.wide_column_block(matrix, r, 3) for r in range(3)]
     assert [tuple(b.shape) for b in blocks] == [(5, 3)] * 3
     assert blocks[2][:, 1:].abs().sum() == 0  # 7 columns in blocks of 3: two padding columns
-    assert torch.equal(ns.from_wide_column_blocks(blocks, matrix.shape), matrix)
+    assert torch.equal(column_blocks.from_wide_column_blocks(blocks, matrix.shape), matrix)

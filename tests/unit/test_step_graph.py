@@ -18,7 +18,8 @@ import torch
 
 import dmuon_titan as dmuon
 from dmuon_titan import fused, step_graph
-from dmuon_titan.muon import Muon
+from dmuon_titan.optim.captured import CapturedStep
+from dmuon_titan.optim.muon import Muon
 from tests.helpers.models import ToyTransformer, dedicated_predicate, loss_fn
 
 
@@ -45,7 +46,7 @@ class _ReplayedBody:
 def _stand_in_graph(graph: bool, optimizer: Muon):
     """``optimizer``'s step captured by the stand-in graph (``graph``: on CPU, every step
     eligible), or eager."""
-    eligible = mock.patch.object(Muon, "_graph_eligible", lambda self, group, todo: bool(todo))
+    eligible = mock.patch.object(CapturedStep, "eligible", lambda self, ctx, todo: bool(todo))
     capture = mock.patch.object(
         step_graph.MuonStepGraph,
         "_capture",
@@ -241,25 +242,25 @@ def test_new_gradients_every_step_are_read_through_the_table_without_a_recapture
 
 def test_the_usual_step_replays_after_the_short_checks_and_steps_alike(cpu_mesh):
     """From the first replay on, a step of the same matrices with new gradients takes
-    ``_steady_matrices`` (one pass over the matrices instead of the full eligibility checks,
+    ``CapturedStep.steady_paths`` (one pass over the matrices instead of the full eligibility checks,
     the chunking and the key): the same replays, the same weights as the eager step; a
     matrix left without a gradient sends the step back to the full checks."""
     taken = []
-    original = Muon._steady_matrices
+    original = CapturedStep.steady_paths
 
-    def spy(self, group):
-        out = original(self, group)
+    def spy(self, ctx, state):
+        out = original(self, ctx, state)
         taken.append(out is not None)
         return out
 
-    with mock.patch.object(Muon, "_steady_matrices", spy):
+    with mock.patch.object(CapturedStep, "steady_paths", spy):
         graphed, record = _train(cpu_mesh, graph=True, steps=8, keep_grads=False)
     assert taken == [False, False] + [True] * 6  # (the eager first step, the capture)
     assert record.captures == 1 and record.replays == 7
     eager, _ = _train(cpu_mesh, graph=False, steps=8, keep_grads=False)
     assert max((eager[k] - graphed[k]).abs().max().item() for k in eager) <= 1e-14
     taken.clear()
-    with mock.patch.object(Muon, "_steady_matrices", spy):
+    with mock.patch.object(CapturedStep, "steady_paths", spy):
         _, record = _train(cpu_mesh, graph=True, steps=6, keep_grads=False, freeze_at=4)
     assert taken == [False, False, True, True, False, False] and record.captures == 2
 
