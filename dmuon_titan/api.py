@@ -27,14 +27,8 @@ from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL
 from .runtime.collectives import Collectives
 from .runtime.fsdp import install_fully_shard_patch, install_replicate_patch, register_tied
 from .runtime.group import BoundaryGroup
-from .runtime.hooks import (
-    compile_wrappers,
-    register_boundary_hooks,
-    register_root_hooks,
-    register_scope_hooks,
-)
 from .runtime.mesh import MeshInfo, mesh_info
-from .runtime.modules import clean_fqn
+from .runtime.modules import clean_fqn, compile_wrappers
 from .runtime.owned_param import DedicatedParam
 from .runtime.state import STATE_ATTR, DMuonState, get_state
 from .runtime.tensor_parallel import install_tensor_parallel_patch
@@ -259,10 +253,7 @@ def _build_runtime(
         for i, path in enumerate(boundary_paths)
     ]
     state = DMuonState(model, plan, params, groups, comm, options)
-    for g in groups:
-        register_boundary_hooks(state, g)
-    state.scope_handles = register_scope_hooks(state, modules, boundary_paths)
-    register_root_hooks(state, model)
+    state.install_hooks(modules, boundary_paths)
     return state
 
 
@@ -457,7 +448,7 @@ def move_hooks_outside_compile(model: nn.Module) -> int:
     for group in state.groups:
         wrapper = compiled.get(group.module)
         if wrapper is not None:
-            register_boundary_hooks(state, group, wrapper)
+            state.hook_boundary(group, wrapper)
             moved += 1
     return moved
 

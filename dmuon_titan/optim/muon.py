@@ -26,8 +26,9 @@ from torch import nn
 
 from ..ops import newton_schulz
 from ..options import DEFAULT_NS_BATCH_NUMEL, MuonOptions
+from ..runtime.grad_scale import scale_gradients_
 from ..runtime.owned_param import dedicated_of
-from ..runtime.state import DMuonState, scale_gradients_
+from ..runtime.state import DMuonState
 from ..timing import PhaseTimer
 from . import passes
 from .adamw import adamw_state, adamw_step

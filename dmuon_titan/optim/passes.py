@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -29,9 +29,6 @@ from ..timing import PhaseTimer
 from .layout import MatrixLayout
 from .step_plan import ns_batch_size, ns_chunks, runs, shaped_as
 
-if TYPE_CHECKING:
-    from .captured import StepScalars
-
 #: Same-shape matrices of at most this many elements take their momentum and update passes
 #: as foreach ops over the whole chunk (a few launches) rather than one fused kernel each: at
 #: this size a kernel's launch outweighs its pass, and a one-GPU step of a small model is
@@ -40,6 +37,23 @@ GROUPED_PASS_NUMEL = 1 << 22
 #: elements per foreach group of those passes (bounds their full-precision temporaries, 256
 #: MiB in float32; fewer groups, fewer launches)
 GROUPED_PASS_SLICE_NUMEL = 1 << 26
+
+
+class StepScalars(Protocol):
+    """What a captured step's passes read of its device values
+    (:class:`dmuon_titan.optim.captured.StepScalars`)."""
+
+    decay: torch.Tensor
+    grad_scale: torch.Tensor
+    gradients: torch.Tensor
+    buffers: torch.Tensor
+    params: torch.Tensor
+
+    def step(self, shape) -> torch.Tensor: ...
+
+    def gradient_slot(self, param: torch.Tensor) -> torch.Tensor: ...
+
+    def table_rows(self, params: list[torch.Tensor]) -> slice | None: ...
 
 
 @dataclasses.dataclass

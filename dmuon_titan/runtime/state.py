@@ -5,7 +5,9 @@ Every collective of a step is issued in the order of the rank-consistent
 recorded on all ranks, never by which boundaries this rank's data happened to run (see
 ``schedule.py``). The root walks the schedule and decides *when*; each
 :class:`~dmuon_titan.runtime.group.BoundaryGroup` does *what* its lifecycle needs. The hooks
-that call in here are registered in ``hooks.py``.
+that call in here are registered by :meth:`DMuonState.install_hooks` (helpers in ``hooks.py``);
+the clip's owed factor (``grad_scale.py``), the copies of the masters (``replicas.py``) and
+the optimizer steps in flight (``step_waits.py``) are parts of their own.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from ..plan import Plan
 from . import hooks
 from .bucket import PendingReduce, finalize
 from .collectives import Collectives
+from .grad_scale import OwedGradScale
 from .group import BoundaryGroup, TrainingState, UnshardState
-from .owned_param import DedicatedParam, dedicated_of
+from .owned_param import DedicatedParam
+from .replicas import ReplicaSync
 from .schedule import (
     BackwardCursor,
     ForwardCursor,
@@ -31,6 +35,7 @@ from .schedule import (
     plan_order_schedule,
 )
 from .shared_ns import SharedNewtonSchulz
+from .step_waits import StepWaits
 from .tensor_parallel import TensorParallelExchange
 
 STATE_ATTR = "_dmuon_state"
@@ -39,39 +44,6 @@ STATE_ATTR = "_dmuon_state"
 def in_backward() -> bool:
     """True while the autograd engine runs a backward (e.g. activation-checkpoint recompute)."""
     return torch._C._current_graph_task_id() != -1
-
-
-class WeakList:
-    """Objects held weakly, in the order added: iterating it costs a weak reference call per
-    object, where a ``weakref.WeakSet``'s iteration guard cost the forward's 13 waits about
-    0.1 ms of host time (docs/benchmarks.md, twenty-third session)."""
-
-    def __init__(self) -> None:
-        self.refs: list[weakref.ref] = []
-
-    def add(self, obj) -> None:
-        if obj not in self:
-            self.refs.append(weakref.ref(obj, self._drop))
-
-    def _drop(self, ref: weakref.ref) -> None:
-        if ref in self.refs:
-            self.refs.remove(ref)
-
-    def __iter__(self):
-        return (obj for ref in self.refs if (obj := ref()) is not None)
-
-    def __len__(self) -> int:
-        return sum(ref() is not None for ref in self.refs)
-
-    def __contains__(self, obj) -> bool:
-        return any(ref() is obj for ref in self.refs)
-
-
-def _may_run(graph) -> bool:
-    """Whether a step graph's replay may still be running (a stand-in without ``in_flight``
-    counts as one)."""
-    in_flight = getattr(graph, "in_flight", None)
-    return in_flight is None or in_flight()
 
 
 def get_state(model: nn.Module) -> DMuonState:
@@ -133,25 +105,13 @@ class DMuonState:
         self.direct = False  # decided at lazy init
         #: the post-forward hooks that close scopes (register_scope_hooks)
         self.scope_handles: list = []
-        #: direct path: whether the boundaries' modules hold their step-wait hooks
-        #: (:meth:`arm_step_waits`)
-        self.step_waits_armed = False
-        self._replicas_synced = False
-        #: the optimizers' captured steps (``dmuon_titan.step_graph``): with ``async_step``
-        #: they run on a side stream, and what reads the matrices waits for them (weak: an
-        #: optimizer dropped for a new one takes its graph along)
-        self.step_graphs = WeakList()
-        #: direct path: the step graphs whose replay may still run when the waits were armed,
-        #: held (strongly) until a forward finds them done: an optimizer dropped meanwhile
-        #: (rebuilt, say) must not take along a replay that the forwards still have to wait
-        #: for, nor free the gradients it reads
-        self.graphs_in_flight: list = []
+        #: the optimizer steps that may run on their own streams, and the waits for them
+        self.waits = StepWaits()
+        self.replicas = ReplicaSync(self)
+        #: a gradient clip's factor the owned gradients still owe (:meth:`defer_grad_scale`)
+        self.grad_scale = OwedGradScale()
         #: the DMuon optimizers (``dmuon_titan.Muon``) that step the owned matrices
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
-        #: a gradient clip's factor the owned gradients still owe (:meth:`defer_grad_scale`):
-        #: the factor and, per master, (the master, its gradient then, that gradient's version
-        #: counter then)
-        self._deferred_grad_scale: tuple[torch.Tensor, list[tuple]] | None = None
         #: how many times the gradient-presence flags were read back (a host sync each);
         #: stays 0 while every owner has its own gradient for every matrix it owns
         self.presence_syncs = 0
@@ -160,8 +120,48 @@ class DMuonState:
         """An optimizer that steps the owned matrices (``dmuon_titan.Muon``): its captured
         step is waited for by the forward, backward and state dicts; a clip may leave its
         factor to its step."""
-        self.step_graphs.add(optimizer.step_graph)
+        self.waits.steps.add(optimizer.step_graph)
         self.optimizers.add(optimizer)
+
+    @property
+    def step_graphs(self):
+        """The attached optimizers' captured steps (:attr:`StepWaits.steps`)."""
+        return self.waits.steps
+
+    @property
+    def step_waits_armed(self) -> bool:
+        return self.waits.armed
+
+    # ------------------------------------------------------------------ hooks
+    def install_hooks(self, modules: dict[str, nn.Module], boundary_paths: list[str]) -> None:
+        """Every hook of this model (see ``hooks.py``): the boundaries', the scopes' and the
+        root's."""
+        for group in self.groups:
+            self.hook_boundary(group)
+        self.scope_handles = hooks.register_scope_hooks(modules, boundary_paths, self.close_scope)
+        hooks.register_forward_pair(
+            self.root, self.root_pre_forward, self.root_post_forward, first=True
+        )
+        hooks.register_state_dict_waits(self.root, self.wait_for_step)
+
+    def hook_boundary(self, group: BoundaryGroup, module: nn.Module | None = None) -> None:
+        """Hook ``group`` onto ``module`` (default: its boundary module), replacing earlier
+        hooks: a wrapper such as ``torch.compile``'s may take them, so that they run outside
+        the compiled region. After lazy init on one rank: the step wait alone, while armed."""
+        for handle in group.hook_handles:
+            handle.remove()
+        group.hook_module = group.module if module is None else module
+        if self.direct:
+            group.hook_handles = self._step_wait_hooks(group) if self.waits.armed else []
+            return
+        group.hook_handles = hooks.register_forward_pair(
+            group.hook_module,
+            lambda: self.pre_forward(group),
+            lambda output: self.post_forward(group, output),
+        )
+
+    def _step_wait_hooks(self, group: BoundaryGroup) -> list:
+        return [hooks.register_first_pre_hook(group.hook_module, lambda: self.pre_forward(group))]
 
     @property
     def device(self) -> torch.device:
@@ -217,8 +217,10 @@ class DMuonState:
         else:
             for group in self.groups:
                 group.lazy_init()
-                hooks.register_grad_hooks(self, group)
-            self._make_tp_copies()
+                hooks.register_grad_hooks(
+                    group.params, lambda p, group=group: self.grad_accumulated(group, p)
+                )
+            self.replicas.make_tp_copies()
         self._initialized = True
         # Each replica's column rank ran init_weights with its own random stream: from here
         # on every copy is the global owner's.
@@ -474,82 +476,32 @@ class DMuonState:
             self.presence_syncs += finalize(pending, self.gradient_divide_factor, self.tp_exchange)
 
     # ------------------------------------------------------------------ clipping
-    # A clip may leave its factor for the owned gradients owed (clip_grad_norm_(defer_owned=
-    # True)): the gradients stay as backward left them and the factor is recorded here. The
-    # captured step multiplies each gradient by it as its momentum pass reads it, and the
-    # factor stays owed; whatever else reads or changes them settles it first, multiplying
-    # them as the clip would have: an eager step, the next clip, the next forward (before a
-    # new gradient accumulates into them). Muon.zero_grad drops it with the gradients.
     def defer_grad_scale(self, factor: torch.Tensor, masters: list[torch.Tensor]) -> bool:
         """Record ``factor`` (0-d, on the gradients' device) as owed on the gradients of the
         owned ``masters``, without multiplying them (a factor still owed is settled first),
         where that is allowed: on one rank (the direct path), with one DMuon optimizer
         stepping the matrices that may capture its step (whose momentum pass then applies
-        it: one pass over the gradients less), and float32 gradients (rounded there as a
-        multiply of their own rounds them). Returns whether it was recorded (if not, the
-        caller multiplies)."""
-        self.apply_deferred_grad_scale()
+        it: one pass over the gradients less), and float32 gradients. Returns whether it was
+        recorded (if not, the caller multiplies). See ``grad_scale.py``."""
+        self.grad_scale.settle()
         if not (self.direct and len(self.optimizers) == 1):
             return False
         (optimizer,) = self.optimizers
-        if not optimizer.may_capture_step:
-            return False
-        # (the gradients themselves, held until settled or dropped: the next forward at the
-        # latest, before it allocates anything; an id could be reused by a new gradient)
-        owed = []
-        for p in masters:
-            grad = p.grad
-            if grad.dtype != torch.float32:
-                return False
-            owed.append((p, grad, grad._version))
-        self._deferred_grad_scale = (factor.to(torch.float32), owed)
-        return True
+        return optimizer.may_capture_step and self.grad_scale.owe(factor, masters)
 
     def take_grad_scale(self) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """The owed factor and the masters whose gradients owe it (those still holding a
-        gradient), or None; nothing is owed after (the caller settles it, or owes it again).
-        Raises if one of those gradients was replaced or changed in place since the clip:
-        the factor cannot be applied as the clip would have."""
-        owed, self._deferred_grad_scale = self._deferred_grad_scale, None
-        if owed is None:
-            return None
-        factor, entries = owed
-        masters = []
-        for p, grad, version in entries:
-            if p.grad is None:  # dropped: nothing owes the factor any more
-                continue
-            if p.grad is not grad or grad._version != version:
-                dedicated = dedicated_of(p)
-                name = dedicated.fqn if dedicated is not None else f"of shape {tuple(p.shape)}"
-                raise RuntimeError(
-                    f"DMuon: the gradient of {name!r} was replaced or changed in place after "
-                    "clip_grad_norm_(defer_owned=True), which left its clip factor owed: "
-                    "call the optimizer's step() or zero_grad() right after clipping, or clip "
-                    "with defer_owned=False"
-                )
-            masters.append(p)
-        return factor, masters
+        """:meth:`OwedGradScale.take`."""
+        return self.grad_scale.take()
 
     def apply_deferred_grad_scale(self) -> None:
         """Settle an owed factor: multiply the gradients that owe it, now."""
-        taken = self.take_grad_scale()
-        if taken is not None:
-            scale_gradients_(taken[1], taken[0])
+        self.grad_scale.settle()
 
     def drop_deferred_grad_scale(self) -> None:
         """Forget an owed factor (its gradients are being zeroed or dropped)."""
-        self._deferred_grad_scale = None
+        self.grad_scale.drop()
 
     # ------------------------------------------------------------------ replicas
-    def _make_tp_copies(self) -> None:
-        """With tensor parallelism, the tp-shard copies of the owner's shard column (filled
-        from the owners by :meth:`sync_replicas`)."""
-        if self.tp_exchange is None:
-            return
-        for p in self.params:
-            if p.holds_source and p.tp_size > 1 and p.tp_copy is None:  # (not a stack)
-                p.tp_copy = torch.empty(p.unsharded_shape, dtype=p.orig_dtype, device=self.device)
-
     def after_step(self) -> None:
         """Send the owners' updated masters to the other replicas: asynchronously (waited for
         in the next forward of each boundary, hidden behind earlier layers), or right away
@@ -558,15 +510,8 @@ class DMuonState:
         armed, if the step is in flight."""
         if self.direct:
             self.arm_step_waits()
-            return
-        if self.tp_exchange is not None:
-            self.tp_exchange.scatter_weights()
-        if self.mesh.replicate_size == 1:
-            return
-        for group in self.groups:
-            group.broadcast_updates()
-        if not self.options.replicate_async:
-            self.wait_all_replicate_broadcasts()
+        else:
+            self.replicas.send_updates()
 
     def wait_all_replicate_broadcasts(self) -> None:
         self.wait_for_step()
@@ -576,15 +521,12 @@ class DMuonState:
     def wait_for_step(self) -> None:
         """The current stream waits (on the GPU) for an optimizer step still in flight on its
         own stream (``Muon(async_step=True)``); nothing otherwise."""
-        for ref in self.step_graphs.refs:
-            graph = ref()
-            if graph is not None:
-                graph.wait()
+        self.waits.wait()
 
     def step_in_flight(self) -> bool:
         """Whether an optimizer step may still be running on its own stream (a stand-in
         without ``in_flight`` counts as one)."""
-        return any(_may_run(graph) for graph in self.step_graphs)
+        return self.waits.in_flight()
 
     def arm_step_waits(self) -> None:
         """Direct path: every boundary's module waits for the step in flight before its
@@ -593,58 +535,27 @@ class DMuonState:
         (:meth:`disarm_step_waits`). So a forward after the step, while it runs, asks at
         every boundary, as before; later ones, validation's say, take nn.Module's plain call
         path. Nothing while no step is in flight."""
-        self.graphs_in_flight = [graph for graph in self.step_graphs if _may_run(graph)]
-        if self.step_waits_armed or not self.graphs_in_flight:
-            return
-        self.step_waits_armed = True
-        for group in self.groups:
-            group.hook_handles = hooks.register_step_wait_hook(self, group)
+        self.waits.arm(self.groups, self._step_wait_hooks)
 
     def disarm_step_waits(self) -> None:
         """No step in flight any more: the boundaries' waits removed (and the step graphs
         held for them let go)."""
-        self.step_waits_armed = False
-        self.graphs_in_flight = []
-        for group in self.groups:
-            for handle in group.hook_handles:
-                handle.remove()
-            group.hook_handles = []
+        self.waits.disarm(self.groups)
 
     def ensure_replicas_synced(self) -> None:
-        if not self._replicas_synced:
+        if not self.replicas.synced:
             self.sync_replicas()
 
     def mark_replicas_synced(self) -> None:
-        self._replicas_synced = True
+        self.replicas.synced = True
 
     def sync_replicas(self) -> None:
-        """Make every replica's master (and every tp-shard copy) equal the global owner's,
-        now (after init or a load). Before lazy init the copies do not exist yet: it syncs."""
-        if self.tp_exchange is not None:
-            if not self._initialized:
-                self._replicas_synced = False
-                return
-            self.tp_exchange.scatter_weights(phase="tp_sync")
-        self._replicas_synced = True
-        if self.mesh.replicate_size == 1:
-            return
-        for group in self.groups:
-            group.broadcast_updates()
-        self.wait_all_replicate_broadcasts()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+        """:meth:`ReplicaSync.sync`: every copy equal to the global owner's master, now."""
+        self.replicas.sync(self._initialized)
 
     # ------------------------------------------------------------------ queries
     def owned_params(self) -> list[DedicatedParam]:
         return [p for p in self.params if p.is_owner]
-
-
-def scale_gradients_(params: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """``p.grad ← p.grad · factor`` for every one of ``params`` (one foreach multiply, as a
-    gradient clip multiplies)."""
-    grads = [p.grad for p in params]
-    if grads:
-        torch._foreach_mul_(grads, factor.to(device=grads[0].device, dtype=grads[0].dtype))
 
 
 def _nearest_mp_policy(module: nn.Module, parents: dict[nn.Module, nn.Module]):

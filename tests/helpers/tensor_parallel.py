@@ -8,12 +8,12 @@ from unittest import mock
 import torch.distributed as dist
 
 import dmuon_titan as dmuon
-from dmuon_titan.muon import Muon
+from dmuon_titan.optim import passes
 from dmuon_titan.runtime.shared_ns import SharedNewtonSchulz
 
 from .training import RunConfig, build_dmuon, train_step
 
-_orthogonalize = Muon._orthogonalize
+_pass_for = passes.pass_for
 _orthogonalize_shared = SharedNewtonSchulz.orthogonalize
 
 
@@ -28,16 +28,16 @@ def train_tp_counted(rank: int, world_size: int, configs: list[RunConfig]) -> li
         names = {id(p.owned): p.fqn for p in state.params}
         steps: list[list[str]] = []
 
-        def orthogonalize(self, chunk, *args, steps=steps, names=names, **kwargs):
+        def pass_for(ctx, chunk, scalars, steps=steps, names=names):
             steps[-1].extend(names[id(p)] for p in chunk)
-            return _orthogonalize(self, chunk, *args, **kwargs)
+            return _pass_for(ctx, chunk, scalars)
 
         def orthogonalize_shared(self, *args, steps=steps, **kwargs):
             steps[-1].extend(p.fqn for p in self.row)  # this rank's share of each
             return _orthogonalize_shared(self, *args, **kwargs)
 
         with (
-            mock.patch.object(Muon, "_orthogonalize", orthogonalize),
+            mock.patch.object(passes, "pass_for", pass_for),
             mock.patch.object(SharedNewtonSchulz, "orthogonalize", orthogonalize_shared),
         ):
             for step in range(cfg.steps):
