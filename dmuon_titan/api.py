@@ -19,11 +19,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .ops.ns_cost import shared_ns_moved_bytes
 from .options import DedicateOptions
 from .plan import ParamSpec, plan_partition, select_boundaries
 from .plan.collectives import boundary_collectives
 from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL
+from .plan.report import plan_report
 from .runtime.collectives import Collectives
 from .runtime.fsdp import install_fully_shard_patch, install_replicate_patch, register_tied
 from .runtime.group import BoundaryGroup
@@ -156,27 +156,7 @@ def dedicate_params(
     )
     specs = [ParamSpec(clean_fqn(fqn), tuple(p.shape), boundaries[fqn]) for fqn, p, *_ in selected]
     _check_expert_counts(specs, expert_mesh)
-    tp_size = tp_mesh.size() if tp_mesh is not None else 1
-    _check_tensor_parallel(specs, tp_size, expert_mesh)
-    shard_size = mesh.size() if mesh is not None else 1
-    replicate_size = replicate_mesh.size() if replicate_mesh is not None else 1
-    plan = plan_partition(
-        specs,
-        shard_size * replicate_size * tp_size,
-        small_param_numel=small_param_numel,
-        ns_algorithm=ns_algorithm,
-        tp_size=tp_size,
-        tp_ns=tp_ns,
-    )
-    moved_by = boundary_collectives(plan, shard_size, collectives)
-    # Everything that decides which collectives run must agree across ranks, or they hang.
-    fingerprint = plan.fingerprint(
-        f"reshard_after_forward={reshard_after_forward}",
-        *(f"{boundary}={how}" for boundary, how in moved_by.items()),
-    )
-    for m in (mesh, replicate_mesh, tp_mesh):
-        if m is not None:
-            _check_same_plan_everywhere(fingerprint, m)
+    plan, moved_by = _plan(specs, options, mesh, replicate_mesh, expert_mesh, tp_mesh)
     install_fully_shard_patch()  # fully_shard / replicate now skip dedicated parameters
     install_replicate_patch()
     # parallelize_module records dedicated placements (and refuses them without tp_mesh)
@@ -208,6 +188,40 @@ def _check_model_and_meshes(
     if mesh is None and replicate_mesh is None:
         raise ValueError("mesh must be a 1-D DeviceMesh (the data-parallel mesh), got None")
     _reject_already_sharded(model)
+
+
+def _plan(
+    specs: list[ParamSpec],
+    options: DedicateOptions,
+    mesh: DeviceMesh | None,
+    replicate_mesh: DeviceMesh | None,
+    expert_mesh: DeviceMesh | None,
+    tp_mesh: DeviceMesh | None,
+):
+    """(the owner plan, how each boundary's weights and gradients move), checked to be the
+    same on every rank of the meshes (the first collective of ``dedicate_params``)."""
+    tp_size = tp_mesh.size() if tp_mesh is not None else 1
+    _check_tensor_parallel(specs, tp_size, expert_mesh)
+    shard_size = mesh.size() if mesh is not None else 1
+    replicate_size = replicate_mesh.size() if replicate_mesh is not None else 1
+    plan = plan_partition(
+        specs,
+        shard_size * replicate_size * tp_size,
+        small_param_numel=options.small_param_numel,
+        ns_algorithm=options.ns_algorithm,
+        tp_size=tp_size,
+        tp_ns=options.tp_ns,
+    )
+    moved_by = boundary_collectives(plan, shard_size, options.collectives)
+    # Everything that decides which collectives run must agree across ranks, or they hang.
+    fingerprint = plan.fingerprint(
+        f"reshard_after_forward={options.reshard_after_forward}",
+        *(f"{boundary}={how}" for boundary, how in moved_by.items()),
+    )
+    for m in (mesh, replicate_mesh, tp_mesh):
+        if m is not None:
+            _check_same_plan_everywhere(fingerprint, m)
+    return plan, moved_by
 
 
 def _build_runtime(
@@ -529,115 +543,6 @@ def summarize_plan(
     Bytes use the compute/reduce dtypes resolved at the first forward (from the FSDP2
     mixed-precision policy); before that, pass them to get the figures of the coming run.
     ``ns_dtype`` and ``ns_steps`` (:class:`~dmuon_titan.Muon`'s) size the traffic of a
-    shared Newton–Schulz (``tp_ns``).
+    shared Newton–Schulz (``tp_ns``). See :func:`dmuon_titan.plan.report.plan_report`.
     """
-    state = get_state(model)
-    plan, mesh = state.plan, state.mesh
-    return {
-        "world_size": mesh.world_size,
-        "shard_size": mesh.shard_size,
-        "replicate_size": mesh.replicate_size,
-        "tp_size": mesh.tp_size,
-        "rank": mesh.slot,
-        "reshard_after_forward": state.reshard_after_forward,
-        "num_params": len(state.params),
-        "params": [
-            {
-                "fqn": p.fqn,
-                "shape": list(p.shape),
-                "owner": "sharded" if p.stacked else p.owner,
-                "shared_ns": p.shared_ns,
-                "boundary": state.groups[p.boundary_index].path,
-                "ns_flops": cost,
-            }
-            for p, cost in zip(state.params, plan.costs, strict=True)
-        ],
-        "boundaries": [
-            {
-                "path": g.path or "<root>",
-                "params": len(g.params),
-                "owners": sorted({p.owner for p in g.params if not p.stacked}),
-                "stacks": len(g.stacks),
-                "collectives": g.collectives,
-            }
-            for g in state.groups
-        ],
-        "ns_flops_per_rank": plan.load_per_rank(),
-        "imbalance": plan.imbalance(),
-        "bytes_per_rank_per_step": _bytes_per_step(
-            state, param_dtype, reduce_dtype, ns_dtype, ns_steps
-        ),
-    }
-
-
-def _bytes_per_step(
-    state: DMuonState,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    ns_dtype: torch.dtype = torch.bfloat16,
-    ns_steps: int = 5,
-) -> dict[str, float]:
-    """Bytes each collective phase moves per rank and step, averaged over every rank (the
-    convention of :class:`~dmuon_titan.runtime.collectives.CommStats`).
-
-    With tensor parallelism (degree T) every rank moves its tp shard of each matrix (L =
-    numel / T elements) in the data-parallel phases, and the owners' rows exchange the rest:
-    ``tp_gather`` (gradient shards to the owner) and ``tp_scatter`` (the updated master's
-    shards back) each carry (T - 1) · L elements per matrix, over R · S · T ranks.
-    ``tp_ns``: :func:`~dmuon_titan.plan.cost.shared_ns_moved_bytes` of each matrix whose
-    Newton–Schulz its row shares, over R · S · T ranks."""
-    shard, replicas, tp = state.mesh.shard_size, state.mesh.replicate_size, state.mesh.tp_size
-
-    def param_size(p) -> int:
-        return (param_dtype or p.param_dtype).itemsize
-
-    def reduce_size(p) -> int:
-        return (reduce_dtype or param_dtype or p.reduce_dtype).itemsize
-
-    stage1_param_bytes, stage1_reduce_bytes = 0, 0
-    grid_param_bytes, grid_reduce_bytes = 0, 0  # stacks: over the whole grid, padding included
-    for g in state.groups:
-        for stack in g.stacks:  # (n - 1) / n of what an all-gather of n slots carries
-            share = (stack.grid_size - 1) / stack.grid_size
-            grid_param_bytes += share * stack.grid_size * stack.slot_numel * param_size(stack.param)
-            grid_reduce_bytes += (
-                share * stack.grid_size * stack.slot_numel * reduce_size(stack.param)
-            )
-        if g.gathered:  # what the collectives carry, padding included (flags excluded)
-            p0 = g.params[0]  # one dtype per gathered boundary (checked at lazy init)
-            stage1_param_bytes += shard * g.slot_numel * param_size(p0)
-            stage1_reduce_bytes += (shard * g.reduce_slot_numel - len(g.params)) * reduce_size(p0)
-        else:
-            stage1_param_bytes += sum(
-                p.unsharded_numel * param_size(p) for b in g.buckets for p in b.params
-            )
-            stage1_reduce_bytes += sum(
-                p.unsharded_numel * reduce_size(p) for b in g.buckets for p in b.params
-            )
-    matrices = [p for p in state.params if not p.stacked]
-    reduce_bytes = sum(p.unsharded_numel * reduce_size(p) for p in matrices)
-    master_bytes = sum(p.unsharded_numel * p.orig_dtype.itemsize for p in matrices)
-    world = shard * replicas * tp
-    in_shard = (shard - 1) / shard
-    across = (replicas - 1) / (replicas * shard)
-    forward = stage1_param_bytes * in_shard + grid_param_bytes
-    per_step = {
-        "forward_broadcast": forward,
-        "backward_rebroadcast": forward if state.reshard_after_forward else 0.0,
-        "reduce": stage1_reduce_bytes * in_shard + grid_reduce_bytes,
-        "reduce_replicate": reduce_bytes * across,
-        "replicate_broadcast": master_bytes * across,
-        "tp_gather": (tp - 1) * reduce_bytes / world,
-        "tp_scatter": (tp - 1) * master_bytes / world,
-    }
-    sums = 8 if ns_dtype == torch.float64 else 4
-    per_step["tp_ns"] = (
-        sum(
-            shared_ns_moved_bytes(p.shape, tp, ns_dtype.itemsize, sums, ns_steps)
-            for p in matrices
-            if p.shared_ns
-        )
-        / world
-    )
-    per_step["total"] = sum(per_step.values())
-    return per_step
+    return plan_report(get_state(model), param_dtype, reduce_dtype, ns_dtype, ns_steps)

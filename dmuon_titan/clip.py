@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Sequence
@@ -56,6 +57,101 @@ def clip_grad_norm_(
     )
 
 
+@dataclasses.dataclass
+class _Grads:
+    """The gradients of one clip, by kind: FSDP2/EP DTensors (``sharded``); this process's
+    whole gradients in parameter order (``local``, for the one-norm case) and the same apart
+    (``plain`` and the owners' ``owned``, with their ``masters``), for the norms combined
+    across processes and for the deferral; every gradient's dtype (placeholders' too: every
+    rank then combines its norms in one dtype)."""
+
+    sharded: list = dataclasses.field(default_factory=list)
+    local: list = dataclasses.field(default_factory=list)
+    plain: list = dataclasses.field(default_factory=list)
+    owned: list = dataclasses.field(default_factory=list)
+    masters: list = dataclasses.field(default_factory=list)
+    dtypes: set = dataclasses.field(default_factory=set)
+
+
+def _sort_grads(parameters: Iterable[torch.Tensor]) -> _Grads:
+    grads, seen = _Grads(), set()
+    for p in parameters:
+        grad = p.grad
+        if grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        grads.dtypes.add(grad.dtype)
+        if is_dedicated(p):
+            if p.numel() > 0:  # the owner's master; placeholders have no elements
+                grads.local.append(grad)
+                grads.owned.append(grad)
+                grads.masters.append(p)
+        elif isinstance(grad, DTensor):
+            grads.sharded.append(grad)
+        else:
+            grads.local.append(grad)
+            grads.plain.append(grad)
+    return grads
+
+
+def _combine(norm: torch.Tensor, norm_type: float, all_reduce) -> torch.Tensor:
+    """The norm over processes of per-process ``norm``s, by ``all_reduce(tensor, op=)``."""
+    if math.isinf(norm_type):
+        all_reduce(norm, op=dist.ReduceOp.MAX)
+        return norm
+    norm = norm.pow(norm_type)
+    all_reduce(norm, op=dist.ReduceOp.SUM)
+    return norm.pow(1.0 / norm_type)
+
+
+def _sharded_norms(sharded: list, norm_type: float, foreach, device, dtype) -> list:
+    """One norm per device mesh of the DTensor gradients (expert stacks left on AdamW live
+    on the expert meshes, the rest on FSDP's: one norm over both is not defined)."""
+    by_mesh: dict = {}  # (DeviceMesh compares by its ranks and dimension names)
+    for grad in sharded:
+        by_mesh.setdefault(grad.device_mesh, []).append(grad)
+    return [
+        torch.nn.utils.get_total_norm(same, norm_type, foreach=foreach)
+        .full_tensor()
+        .to(device, dtype)
+        for same in by_mesh.values()
+    ]
+
+
+def _total_norm(grads: _Grads, states: list[DMuonState], norm_type: float, foreach):
+    """The global norm of every gradient of the clip, combined over the processes that hold
+    parts of it (decided by what is the same on every rank: an owner and a rank without
+    owned matrices join the same all-reduce)."""
+    dtype = functools.reduce(torch.promote_types, grads.dtypes, torch.float32)
+    if states:
+        device = states[0].device
+    elif grads.sharded:
+        device = grads.sharded[0].to_local().device
+    else:
+        device = grads.local[0].device if grads.local else torch.device("cpu")
+
+    def local_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+        if not tensors:
+            return torch.zeros((), device=device, dtype=dtype)
+        return torch.nn.utils.get_total_norm(tensors, norm_type, foreach=foreach).to(device, dtype)
+
+    multi_rank = bool(states and states[0].mesh.world_size > 1)
+    if not (grads.sharded or multi_rank) and len(grads.dtypes) <= 1:
+        # Nothing to combine across processes and one dtype: one norm over them all, as
+        # torch.nn.utils.clip_grad_norm_ takes it (for float32 and float64 gradients the same
+        # value, bit for bit; one foreach launch: at small scale the clip's host time counts).
+        return local_norm(grads.local), device
+    parts = [local_norm(grads.plain)]
+    parts += _sharded_norms(grads.sharded, norm_type, foreach, device, dtype)
+    owned_norm = local_norm(grads.owned)
+    if multi_rank:  # (every rank, owner or not)
+        owned_norm = _combine(owned_norm, norm_type, states[0].comm.all_reduce)
+    parts.append(owned_norm)
+    stacked = torch.stack(parts)
+    inf = math.isinf(norm_type)
+    return (stacked.max() if inf else torch.linalg.vector_norm(stacked, norm_type)), device
+
+
 @torch.no_grad()
 def clip_grads_(
     parameters: Iterable[torch.Tensor],
@@ -77,85 +173,26 @@ def clip_grads_(
             "clip_grad_norm_: the model parts' dedicated matrices are on different meshes"
         )
     norm_type = float(norm_type)
-    inf = math.isinf(norm_type)
-    # ``local``: this process's whole gradients (plain and owned) in parameter order, for the
-    # one-norm case; ``plain`` and ``owned`` the same apart, for the norms combined across
-    # processes and for the deferral.
-    sharded, local, plain, owned, masters = [], [], [], [], []
-    seen: set[int] = set()
-    dtypes: set[torch.dtype] = set()
-    for p in parameters:
-        grad = p.grad
-        if grad is None or id(p) in seen:
-            continue
-        seen.add(id(p))
-        # (placeholders' dtypes too: every rank then combines its norms in one dtype)
-        dtypes.add(grad.dtype)
-        if is_dedicated(p):
-            if p.numel() > 0:  # the owner's master; placeholders have no elements
-                local.append(grad)
-                owned.append(grad)
-                masters.append(p)
-        elif isinstance(grad, DTensor):
-            sharded.append(grad)
-        else:
-            local.append(grad)
-            plain.append(grad)
-    dtype = functools.reduce(torch.promote_types, dtypes, torch.float32)
-    if states:
-        device = states[0].device
-    elif sharded:
-        device = sharded[0].to_local().device
-    elif local:
-        device = local[0].device
-    else:
-        device = torch.device("cpu")
-
-    def local_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-        if not tensors:
-            return torch.zeros((), device=device, dtype=dtype)
-        return torch.nn.utils.get_total_norm(tensors, norm_type, foreach=foreach).to(device, dtype)
-
-    def combine(norm: torch.Tensor, all_reduce) -> torch.Tensor:
-        if inf:
-            all_reduce(norm, op=dist.ReduceOp.MAX)
-            return norm
-        norm = norm.pow(norm_type)
-        all_reduce(norm, op=dist.ReduceOp.SUM)
-        return norm.pow(1.0 / norm_type)
-
-    # (decided by what is the same on every rank: an owner and a rank without owned matrices
-    # must join the same all-reduce)
-    across = bool(sharded) or bool(states and states[0].mesh.world_size > 1)
-    if not across and len(dtypes) <= 1:
-        # Nothing to combine across processes and one dtype: one norm over them all, as
-        # torch.nn.utils.clip_grad_norm_ takes it (for float32 and float64 gradients the same
-        # value, bit for bit; one foreach launch: at small scale the clip's host time counts).
-        total_norm = local_norm(local)
-    else:
-        parts = [local_norm(plain)]
-        if sharded:
-            norm = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach)
-            parts.append(norm.full_tensor().to(device, dtype))
-        owned_norm = local_norm(owned)
-        if states and states[0].mesh.world_size > 1:  # (every rank, owner or not)
-            owned_norm = combine(owned_norm, states[0].comm.all_reduce)
-        parts.append(owned_norm)
-        stacked = torch.stack(parts)
-        total_norm = stacked.max() if inf else torch.linalg.vector_norm(stacked, norm_type)
+    grads = _sort_grads(parameters)
+    total_norm, _ = _total_norm(grads, states, norm_type, foreach)
     if pp_mesh is not None and pp_mesh.size() > 1:
         group = pp_mesh.get_group()
-        total_norm = combine(total_norm, lambda t, op: dist.all_reduce(t, op=op, group=group))
-
+        total_norm = _combine(
+            total_norm, norm_type, lambda t, op: dist.all_reduce(t, op=op, group=group)
+        )
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")
     clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    if defer_owned:
-        owned = _defer_owned(masters, clip_coef, states)
-    # One foreach multiply per (device, dtype), as torch's clip_grads_with_norm_ does: a
-    # Python loop over every gradient costs milliseconds of host time at small scale.
+    owned = _defer_owned(grads.masters, clip_coef, states) if defer_owned else grads.owned
+    _multiply([g.to_local() for g in grads.sharded] + grads.plain + owned, clip_coef, foreach)
+    return total_norm
+
+
+def _multiply(grads: list[torch.Tensor], clip_coef: torch.Tensor, foreach) -> None:
+    """One foreach multiply per (device, dtype), as torch's clip_grads_with_norm_ does: a
+    Python loop over every gradient costs milliseconds of host time at small scale."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for g in [g.to_local() for g in sharded] + plain + owned:
+    for g in grads:
         by_kind.setdefault((g.device, g.dtype), []).append(g)
     for (g_device, g_dtype), same in by_kind.items():
         coef = clip_coef.to(device=g_device, dtype=g_dtype)
@@ -164,7 +201,6 @@ def clip_grads_(
                 g.mul_(coef)
         else:
             torch._foreach_mul_(same, coef)
-    return total_norm
 
 
 def _defer_owned(

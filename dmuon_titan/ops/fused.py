@@ -110,53 +110,7 @@ def momentum_direction_into(
     to float32 as ``grad.mul_(scale)`` of a float32 gradient rounds it."""
     by_address = grad_address is not None
     _check_grad_scale(grad_scale, grad.dtype)
-    scaled = grad_scale is not None
-    scale_arg = grad_scale if scaled else buffer  # (not read without SCALED)
-    grad_arg = grad_address if by_address else grad
-    grad_type = _TL_DTYPES.get(grad.dtype) if by_address else None
-    if (
-        buffer.ndim == 2
-        and not out.is_contiguous()
-        and _fusable(buffer, grad)
-        and _fusable(buffer, out, contiguous_others=False)  # (its device, shape and dtype)
-    ):
-        rows, cols = buffer.shape
-        grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
-        _momentum_kernel_2d[grid](
-            grad_arg,
-            buffer,
-            out,
-            scale_arg,
-            rows,
-            cols,
-            out.stride(0),
-            out.stride(1),
-            float(1 - momentum),
-            float(momentum),
-            NESTEROV=nesterov,
-            BY_ADDRESS=by_address,
-            GRAD_TYPE=grad_type,
-            SCALED=scaled,
-            TILE=_TILE,
-        )
-        return
-    if _fusable(buffer, grad, out):
-        grid = (triton.cdiv(grad.numel(), _BLOCK),)
-        # Both lerp weights come from Python, as torch.lerp receives them.
-        _momentum_kernel[grid](
-            grad_arg,
-            buffer,
-            out,
-            scale_arg,
-            grad.numel(),
-            float(1 - momentum),
-            float(momentum),
-            NESTEROV=nesterov,
-            BY_ADDRESS=by_address,
-            GRAD_TYPE=grad_type,
-            SCALED=scaled,
-            BLOCK=_BLOCK,
-        )
+    if _launch_momentum(grad, buffer, out, momentum, nesterov, grad_address, grad_scale):
         return
     if by_address and _capturing():
         raise RuntimeError(
@@ -165,7 +119,50 @@ def momentum_direction_into(
             f"float32/bfloat16/float16 output (got grad {grad.dtype}, buffer {buffer.dtype}, "
             f"output {out.dtype})"
         )
-    if scaled:
+    _momentum_direction_eager(grad, buffer, out, momentum, nesterov, grad_scale)
+
+
+def _launch_momentum(
+    grad: Tensor, buffer: Tensor, out: Tensor, momentum, nesterov, grad_address, grad_scale
+) -> bool:
+    """:func:`momentum_direction_into` by a kernel where one fits (a strided 2-D ``out`` by
+    the tiled one, contiguous tensors by the flat one); whether it ran."""
+    by_address, scaled = grad_address is not None, grad_scale is not None
+    scale_arg = grad_scale if scaled else buffer  # (not read without SCALED)
+    grad_arg = grad_address if by_address else grad
+    grad_type = _TL_DTYPES.get(grad.dtype) if by_address else None
+    # Both lerp weights come from Python, as torch.lerp receives them.
+    weights = (float(1 - momentum), float(momentum))
+    flags = dict(NESTEROV=nesterov, BY_ADDRESS=by_address, GRAD_TYPE=grad_type, SCALED=scaled)
+    if (
+        buffer.ndim == 2
+        and not out.is_contiguous()
+        and _fusable(buffer, grad)
+        and _fusable(buffer, out, contiguous_others=False)  # (its device, shape and dtype)
+    ):
+        rows, cols = buffer.shape
+        grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
+        strides = (out.stride(0), out.stride(1))
+        _momentum_kernel_2d[grid](
+            *(grad_arg, buffer, out, scale_arg, rows, cols, *strides, *weights),
+            TILE=_TILE,
+            **flags,
+        )
+        return True
+    if _fusable(buffer, grad, out):
+        grid = (triton.cdiv(grad.numel(), _BLOCK),)
+        _momentum_kernel[grid](
+            *(grad_arg, buffer, out, scale_arg, grad.numel(), *weights), BLOCK=_BLOCK, **flags
+        )
+        return True
+    return False
+
+
+def _momentum_direction_eager(
+    grad: Tensor, buffer: Tensor, out: Tensor, momentum: float, nesterov: bool, grad_scale
+) -> None:
+    """:func:`momentum_direction_into` by torch ops (no kernel for these tensors)."""
+    if grad_scale is not None:
         grad = grad * grad_scale
     buffer.lerp_(grad, 1 - momentum)
     if nesterov:
@@ -277,27 +274,39 @@ def momentum_directions_by_table(
     if out.size(0) > _MAX_GRID_MATRICES:  # (the matrices are a grid dimension)
         for i in range(0, out.size(0), _MAX_GRID_MATRICES):
             part = slice(i, i + _MAX_GRID_MATRICES)
-            momentum_directions_by_table(
-                grads[part],
-                buffers[part],
-                out[part],
-                grad_dtype,
-                buffer_dtype,
-                momentum,
-                nesterov,
-                grad_scale,
-                None if squares is None else squares[part],
-            )
+            args = (grads[part], buffers[part], out[part], grad_dtype, buffer_dtype)
+            parts = None if squares is None else squares[part]
+            momentum_directions_by_table(*args, momentum, nesterov, grad_scale, parts)
         return
     count, rows, cols = out.shape
-    scaled = grad_scale is not None
-    common = dict(
-        NESTEROV=nesterov,
-        GRAD_TYPE=_TL_DTYPES[grad_dtype],
-        BUF_TYPE=_TL_DTYPES[buffer_dtype],
-        SCALED=scaled,
-        SQUARES=squares is not None,
+    _check_squares(squares, count, rows, cols)
+    types = dict(GRAD_TYPE=_TL_DTYPES[grad_dtype], BUF_TYPE=_TL_DTYPES[buffer_dtype])
+    scaled, summed = grad_scale is not None, squares is not None
+    common = dict(NESTEROV=nesterov, SCALED=scaled, SQUARES=summed, **types)
+    squares_args = (squares, squares.stride(0)) if summed else (out, 0)
+    scale_arg = grad_scale if scaled else grads  # (not read without SCALED)
+    weights = (float(1 - momentum), float(momentum))
+    tables = (grads, buffers, out, scale_arg, *squares_args)
+    if out.stride(2) == 1 and out.stride(1) == cols:
+        grid = (triton.cdiv(rows * cols, _BLOCK), count)
+        _momentum_table_kernel[grid](
+            *tables, rows * cols, out.stride(0), *weights, BLOCK=_BLOCK, **common
+        )
+        return
+    grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE), count)
+    _momentum_table_kernel_2d[grid](
+        *tables,
+        rows,
+        cols,
+        *out.stride(),
+        *weights,
+        TILE=_TILE,
+        **common,
     )
+
+
+def _check_squares(squares: Tensor | None, count: int, rows: int, cols: int) -> None:
+    """``squares`` (if any) fits :func:`momentum_directions_by_table`'s partial sums."""
     if squares is not None and (
         squares.dtype != torch.float32
         or squares.size(0) != count
@@ -308,40 +317,6 @@ def momentum_directions_by_table(
             f"squares must be float32 [{count}, >= {square_parts(rows, cols)}] with "
             f"contiguous rows, got {squares.dtype} {tuple(squares.shape)}"
         )
-    squares_args = (out, 0) if squares is None else (squares, squares.stride(0))
-    scale_arg = grad_scale if scaled else grads  # (not read without SCALED)
-    weights = (float(1 - momentum), float(momentum))
-    if out.stride(2) == 1 and out.stride(1) == cols:
-        grid = (triton.cdiv(rows * cols, _BLOCK), count)
-        _momentum_table_kernel[grid](
-            grads,
-            buffers,
-            out,
-            scale_arg,
-            *squares_args,
-            rows * cols,
-            out.stride(0),
-            *weights,
-            BLOCK=_BLOCK,
-            **common,
-        )
-        return
-    grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE), count)
-    _momentum_table_kernel_2d[grid](
-        grads,
-        buffers,
-        out,
-        scale_arg,
-        *squares_args,
-        rows,
-        cols,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        *weights,
-        TILE=_TILE,
-        **common,
-    )
 
 
 def square_parts(rows: int, cols: int) -> int:

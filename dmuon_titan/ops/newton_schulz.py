@@ -150,17 +150,7 @@ def zeropower_via_newtonschulz(
         fold = fold_normalization and _folds(dtype, eps, ns_steps)
         inverse = _normalize_or_fold(x, eps, fold, _usable(squares, matrix, dtype))
         sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}
-        for i in range(ns_steps):
-            a, b, c = coefficients[min(i, len(coefficients) - 1)]
-            folded = inverse is not None and i == 0
-            gram = symmetric_matmul(x, x.mT, scale=inverse.square() if folded else None, **sym)
-            # bA + cA², plus aI in the polynomial form
-            diagonal = a if polynomial_form else 0.0
-            poly = _polynomial(gram, (diagonal, b, c), inverse if folded else None, sym)
-            if polynomial_form:
-                x = poly @ x
-            else:
-                x = (torch.baddbmm if x.ndim == 3 else torch.addmm)(x, poly, x, beta=a)
+        x = _symmetric_iterations(x, coefficients, ns_steps, inverse, polynomial_form, sym)
     elif matrix.ndim == 2:
         divide_(x, x.norm().clamp(min=eps))
         for i in range(ns_steps):
@@ -176,6 +166,30 @@ def zeropower_via_newtonschulz(
             gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
             x = torch.baddbmm(x, gram_update, x, beta=a)
     return x.mT if tall else x
+
+
+def _symmetric_iterations(
+    x: Tensor,
+    coefficients: Sequence[Coefficients],
+    ns_steps: int,
+    inverse: Tensor | None,
+    polynomial_form: bool,
+    sym: dict,
+) -> Tensor:
+    """:func:`zeropower_via_newtonschulz`'s iterations with the symmetric products by
+    :func:`symmetric_matmul` (``inverse``: the first iteration's folded normalization)."""
+    for i in range(ns_steps):
+        a, b, c = coefficients[min(i, len(coefficients) - 1)]
+        folded = inverse is not None and i == 0
+        gram = symmetric_matmul(x, x.mT, scale=inverse.square() if folded else None, **sym)
+        # bA + cA², plus aI in the polynomial form
+        diagonal = a if polynomial_form else 0.0
+        poly = _polynomial(gram, (diagonal, b, c), inverse if folded else None, sym)
+        if polynomial_form:
+            x = poly @ x
+        else:
+            x = (torch.baddbmm if x.ndim == 3 else torch.addmm)(x, poly, x, beta=a)
+    return x
 
 
 def _polynomial(

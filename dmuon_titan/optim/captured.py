@@ -287,26 +287,8 @@ class MuonStepGraph:
             # view into one may not be)
             or not self.scalars.promises_hold(addresses)
         )
-        if recording:  # the scalars the recorded kernels read (a shape change records anew)
-            if self.scalars is None:
-                self.scalars = StepScalars(params[0].device, params[0].dtype)
-            for p in params:
-                self.scalars.step(p.shape)
-        if recording and self.warmed:
-            if (
-                self.captures > MAX_RECAPTURES
-                and self.replays < REPLAYS_PER_CAPTURE * self.captures
-            ):
-                self._drain()
-                self.disabled, self.graph, self.params = True, None, []
-                logger.warning(
-                    f"DMuon: the Muon step's tensors moved {self.captures} times in "
-                    f"{self.replays} steps; stepping without a CUDA graph from here on"
-                )
-                return False
-            self._drain()  # (the graph replaced may still run, reading the old table)
-        if recording:  # (its tables are replaced now: never replay it, even if capture fails)
-            self.graph, self.key, self.params = None, None, []
+        if recording and not self._prepare_recording(params):
+            return False
         self.scalars.refresh(group, grad_scale)
         self.scalars.point_at(params, buffers, addresses, fresh_table=recording)
         if not self.warmed:
@@ -320,6 +302,31 @@ class MuonStepGraph:
             self.captures += 1
         self._replay(params)
         self.replays += 1
+        return True
+
+    def _prepare_recording(self, params: list[torch.Tensor]) -> bool:
+        """Before recording the step anew: the scalars the recorded kernels read (a shape
+        change records anew), the held graph dropped once no replay of it may run; False
+        (and the graph given up for good) when the tensors moved too often."""
+        if self.scalars is None:
+            self.scalars = StepScalars(params[0].device, params[0].dtype)
+        for p in params:
+            self.scalars.step(p.shape)
+        if self.warmed:
+            if (
+                self.captures > MAX_RECAPTURES
+                and self.replays < REPLAYS_PER_CAPTURE * self.captures
+            ):
+                self._drain()
+                self.disabled, self.graph, self.params = True, None, []
+                logger.warning(
+                    f"DMuon: the Muon step's tensors moved {self.captures} times in "
+                    f"{self.replays} steps; stepping without a CUDA graph from here on"
+                )
+                return False
+            self._drain()  # (the graph replaced may still run, reading the old table)
+        # (its tables are replaced now: never replay it, even if capture fails)
+        self.graph, self.key, self.params = None, None, []
         return True
 
     @property

@@ -182,6 +182,21 @@ def plan_partition(
     owner_plan = dataclasses.replace(owner_plan, tp_size=tp_size)
     if tp_size == 1 or tp_ns == "owner" or all(s.stacked for s in specs):
         return owner_plan
+    shared_plan = _shared_plan(specs, world_size, small_param_numel, ns_algorithm, tp_size)
+    if tp_ns == "auto" and _shared_time(shared_plan) >= max(owner_plan.load_per_rank()):
+        return owner_plan
+    return shared_plan
+
+
+def _shared_plan(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    small_param_numel: int,
+    ns_algorithm: str,
+    tp_size: int,
+) -> Plan:
+    """``tp_ns="shared"``: rows balanced by NS cost, then within each row the owners (who
+    keep master and momentum) by elements."""
     # Shared NS runs the plain iteration whatever ns_algorithm says: cost it so.
     rows = plan_owners(specs, world_size // tp_size, small_param_numel=small_param_numel)
     owners = list(rows.owners)
@@ -194,22 +209,22 @@ def plan_partition(
         numel[t] += specs[i].numel
         owners[i] = rows.owners[i] * tp_size + t
     shared = tuple(not s.stacked for s in specs)
-    shared_plan = Plan(
-        world_size, tuple(specs), tuple(owners), rows.costs, ns_algorithm, tp_size, shared
+    return Plan(world_size, tuple(specs), tuple(owners), rows.costs, ns_algorithm, tp_size, shared)
+
+
+def _shared_time(plan: Plan) -> float:
+    """The estimated NS time of a shared plan's slowest row: its slowest rank's FLOPs plus
+    the row's traffic at :data:`SHARED_NS_FLOPS_PER_BYTE`."""
+    tp_size = plan.tp_size
+    row_bytes = [0] * (plan.world_size // tp_size)
+    for spec, owner in zip(plan.specs, plan.owners, strict=True):
+        if not spec.stacked:
+            row_bytes[owner // tp_size] += shared_ns_bytes(spec.shape, tp_size)
+    loads = plan.load_per_rank()
+    return max(
+        max(loads[r * tp_size : (r + 1) * tp_size]) + SHARED_NS_FLOPS_PER_BYTE * row_bytes[r]
+        for r in range(len(row_bytes))
     )
-    if tp_ns == "auto":
-        row_bytes = [0] * (world_size // tp_size)
-        for spec, owner in zip(specs, owners, strict=True):
-            if not spec.stacked:
-                row_bytes[owner // tp_size] += shared_ns_bytes(spec.shape, tp_size)
-        loads = shared_plan.load_per_rank()
-        shared_time = max(
-            max(loads[r * tp_size : (r + 1) * tp_size]) + SHARED_NS_FLOPS_PER_BYTE * row_bytes[r]
-            for r in range(len(row_bytes))
-        )
-        if shared_time >= max(owner_plan.load_per_rank()):
-            return owner_plan
-    return shared_plan
 
 
 def plan_owners(
@@ -237,25 +252,8 @@ def plan_owners(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     check_ns_algorithm(ns_algorithm)  # also with no specs: the plan records it
     costs = [orthogonalize_flops(s.shape, ns_algorithm) for s in specs]
-    units: list[_Unit] = []
-    small_unit_of: dict[str, _Unit] = {}
     loads = [0] * world_size
-    for i, spec in enumerate(specs):
-        if spec.stacked:
-            for k, share in enumerate(_piece_costs(spec, costs[i], world_size)):
-                loads[k] += share
-        elif spec.numel <= small_param_numel:
-            unit = small_unit_of.get(spec.boundary)
-            if unit is None:
-                unit = _Unit(0, i, [], spec.boundary)
-                small_unit_of[spec.boundary] = unit
-                units.append(unit)
-            unit.cost += costs[i]
-            unit.members.append(i)
-        else:
-            units.append(_Unit(costs[i], i, [i], spec.boundary))
-    units.sort(key=lambda u: (-u.cost, u.order))
-
+    units = _units(specs, costs, small_param_numel, world_size, loads)
     unit_owner: list[int] = []
     held: dict[tuple[str, int], int] = {}  # (boundary, rank) -> number of units held
     for unit in units:
@@ -277,6 +275,35 @@ def plan_owners(
         for i in unit.members:
             owners[i] = owner
     return Plan(world_size, tuple(specs), tuple(owners), tuple(costs), ns_algorithm)
+
+
+def _units(
+    specs: Sequence[ParamSpec],
+    costs: list[int],
+    small_param_numel: int,
+    world_size: int,
+    loads: list[int],
+) -> list[_Unit]:
+    """The units to place, by decreasing cost (ties: first appearance): each large matrix
+    alone, the small ones of a boundary together; the stacks' shares added to ``loads``."""
+    units: list[_Unit] = []
+    small_unit_of: dict[str, _Unit] = {}
+    for i, spec in enumerate(specs):
+        if spec.stacked:
+            for k, share in enumerate(_piece_costs(spec, costs[i], world_size)):
+                loads[k] += share
+        elif spec.numel <= small_param_numel:
+            unit = small_unit_of.get(spec.boundary)
+            if unit is None:
+                unit = _Unit(0, i, [], spec.boundary)
+                small_unit_of[spec.boundary] = unit
+                units.append(unit)
+            unit.cost += costs[i]
+            unit.members.append(i)
+        else:
+            units.append(_Unit(costs[i], i, [i], spec.boundary))
+    units.sort(key=lambda u: (-u.cost, u.order))
+    return units
 
 
 def _piece_costs(spec: ParamSpec, cost: int, world_size: int) -> list[int]:

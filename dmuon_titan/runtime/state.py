@@ -1,9 +1,7 @@
-"""The root state of one model on this rank: lazy init, the step's schedule, the end of backward.
+"""The root state of one model on this rank: lazy init, the hooks' entry points, the reduces.
 
-Every collective of a step is issued in the order of the rank-consistent
-:class:`~dmuon_titan.runtime.schedule.Schedule`, decided by the plan and the forward order
-recorded on all ranks, never by which boundaries this rank's data happened to run (see
-``schedule.py``). The root walks the schedule and decides *when*; each
+Every collective of a step is issued in the order of the rank-consistent schedule, walked by
+:class:`~dmuon_titan.runtime.walk.ScheduleWalk`; each
 :class:`~dmuon_titan.runtime.group.BoundaryGroup` does *what* its lifecycle needs. The hooks
 that call in here are registered by :meth:`DMuonState.install_hooks` (helpers in ``hooks.py``);
 the clip's owed factor (``grad_scale.py``), the copies of the masters (``replicas.py``) and
@@ -16,34 +14,22 @@ import weakref
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 
 from ..options import DedicateOptions
 from ..plan import Plan
 from . import hooks
-from .bucket import PendingReduce, finalize
+from .bucket import finalize
 from .collectives import Collectives
 from .grad_scale import OwedGradScale
-from .group import BoundaryGroup, TrainingState, UnshardState
+from .group import BoundaryGroup
 from .owned_param import DedicatedParam
 from .replicas import ReplicaSync
-from .schedule import (
-    BackwardCursor,
-    ForwardCursor,
-    ScheduleError,
-    merge_sequences,
-    plan_order_schedule,
-)
 from .shared_ns import SharedNewtonSchulz
 from .step_waits import StepWaits
 from .tensor_parallel import TensorParallelExchange
+from .walk import ScheduleWalk, in_backward
 
 STATE_ATTR = "_dmuon_state"
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward (e.g. activation-checkpoint recompute)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def get_state(model: nn.Module) -> DMuonState:
@@ -65,15 +51,10 @@ class DMuonState:
         comm: Collectives,
         options: DedicateOptions,
     ) -> None:
-        self.root = root
-        self.plan = plan
-        self.params = params
+        self.root, self.plan, self.params, self.groups = root, plan, params, groups
         for p in params:
             p.state_ref = weakref.ref(self)
-        self.groups = groups
-        self.comm = comm
-        self.mesh = comm.mesh
-        self.options = options
+        self.comm, self.mesh, self.options = comm, comm.mesh, options
         self.reshard_after_forward = options.reshard_after_forward
         self.requires_gradient_sync = True
         #: pipeline parallelism (:meth:`enable_pipelining`): the step's microbatches run their
@@ -90,19 +71,9 @@ class DMuonState:
         self.shared_ns = (
             SharedNewtonSchulz(params, comm) if any(p.shared_ns for p in params) else None
         )
-        #: the order every rank issues the step's collectives in: plan order for the first
-        #: step, the forward order recorded on all ranks after it
-        self.schedule = plan_order_schedule(len(groups))
-        self._recording: list[int] | None = []  # this rank's first training forward
-        self._local_sequence: list[int] | None = None
-        self._pass: ForwardCursor | None = None
-        self._backward: BackwardCursor | None = None
-        self._ending_backward = False
-        #: boundaries a training forward ran on this rank since the last backward
-        self.ran_this_step: set[int] = set()
-        self._pending_reduces: list[PendingReduce] = []
-        self._initialized = False
-        self.direct = False  # decided at lazy init
+        #: the walk over the step's schedule (forward passes, backward, reduces)
+        self.walk = ScheduleWalk(self)
+        self._initialized, self.direct = False, False  # (direct: decided at lazy init)
         #: the post-forward hooks that close scopes (register_scope_hooks)
         self.scope_handles: list = []
         #: the optimizer steps that may run on their own streams, and the waits for them
@@ -175,7 +146,7 @@ class DMuonState:
         accumulates, and the step's gradients are reduced once, there: what FSDP2 does under
         torch's pipeline schedules (no reshard after forward or backward, one
         reduce-scatter per step). ``reshard_after_forward`` does not apply."""
-        if self._initialized and not self.pipelined and self._backward is not None:
+        if self._initialized and not self.pipelined and self.walk.in_backward_pass:
             raise RuntimeError("enable_pipelining inside a backward")
         self.pipelined = True
         self.reshard_after_forward = False
@@ -240,230 +211,40 @@ class DMuonState:
             # step in flight that reads the gradients)
             self.apply_deferred_grad_scale()
             return
-        self._end_forward_pass()  # one left open by forwards of submodules alone
-        self._pass = ForwardCursor(training=torch.is_grad_enabled())
+        self.walk.begin_pass()
 
     def root_post_forward(self, output):
-        if in_backward() or self._pass is None or self.direct:
+        if in_backward() or self.direct:
             return output
-        training = self._pass.training
-        self._end_forward_pass()
-        if training:  # so that backward begins here even where no boundary ran
-            output = hooks.register_pre_backward(output, self._begin_backward)
-        return output
+        return self.walk.end_root_pass(output)
 
     def pre_forward(self, group: BoundaryGroup) -> None:
         self.lazy_init()
         if self.direct:
             self.wait_for_step()
             return
-        if in_backward():  # activation-checkpoint recompute: backward's turn for the boundary
-            self._begin_backward()
-            self._reach_in_backward(group)
-            self._ensure_scheduled(group, "recompute")
-            group.recompute()
-            return
-        cursor = self._forward_pass()
-        if cursor.training:
-            self.ran_this_step.add(group.index)
-            if self._recording is not None:
-                self._recording.append(group.index)
-        entry = self.schedule.next_entry(group.index, cursor.consumed)
-        if entry is not None:
-            self._issue_forward(cursor, entry)
-            cursor.consumed = entry + 1
-            if self.schedule.recorded:
-                self._issue_forward(cursor, cursor.consumed, prefetch=True)
-        self._ensure_scheduled(group, "forward")
-        group.pre_forward()
+        self.walk.pre_forward(group)
 
     def post_forward(self, group: BoundaryGroup, output):
-        if self.direct:
-            return output
-        if in_backward():
-            group.end_recompute()  # the backward is about to use the weights
-            return output
-        group.post_forward(free=not group.held_for_backward)  # Z2 keeps them for backward
-        cursor = self._forward_pass()
-        if cursor.training:
-            output = hooks.register_pre_backward(output, lambda: self.pre_backward(group))
-        if self.schedule.recorded:  # a prefetch may have waited for this boundary
-            self._issue_forward(cursor, cursor.consumed, prefetch=True)
-        return output
+        return output if self.direct else self.walk.post_forward(group, output)
 
     def close_scope(self, inside: frozenset[int]) -> None:
-        """A module whose subtree holds the boundaries ``inside`` finished its forward: the
-        entries of theirs due next were not reached here (an expert without tokens) and are
-        issued now, not when this rank reaches its next boundary, for a peer that runs them
-        may be waiting, and this rank may first block in collectives of its own (FSDP2's
-        all-gather of the next block)."""
-        if self.direct:
-            return
-        cursor = self._pass
-        if cursor is None or in_backward():
-            return
-        entries, end = self.schedule.forward, cursor.consumed
-        while end < len(entries) and entries[end] in inside:
-            end += 1
-        if end > cursor.consumed:
-            self._issue_forward(cursor, end - 1)
-            cursor.consumed = end
-
-    def _forward_pass(self) -> ForwardCursor:
-        if self._pass is None:  # a forward of submodules, without the root's hooks
-            self._pass = ForwardCursor(training=torch.is_grad_enabled())
-        return self._pass
-
-    def _issue_forward(self, cursor: ForwardCursor, upto: int, prefetch: bool = False) -> None:
-        """Issue the forward entries up to ``upto`` (inclusive) not issued yet, in order. An
-        entry whose boundary is running now waits for its post-forward when prefetched."""
-        entries = self.schedule.forward
-        while cursor.issued <= upto and cursor.issued < len(entries):
-            group = self.groups[entries[cursor.issued]]
-            if group.active:
-                if prefetch:
-                    return
-                raise ScheduleError(
-                    f"DMuon: {group.name} is due again while its own forward is still running "
-                    "(a nested or recursive call); DMuon cannot serve it: make it a hook "
-                    "boundary of its own that is not called from inside itself"
-                )
-            if not group.held_for_backward:  # (Z2: current since this step's first forward)
-                if cursor.training and not self.reshard_after_forward:
-                    group.held_for_backward = True
-                group.unshard("forward", refresh=True)
-            cursor.issued += 1
-
-    def _end_forward_pass(self) -> None:
-        """Issue what this rank did not reach (other ranks did), free what it does not keep."""
-        cursor = self._pass
-        if cursor is None:
-            return
-        self._pass = None
-        self._issue_forward(cursor, len(self.schedule.forward) - 1)
-        if cursor.training and self._recording is not None:
-            self._local_sequence, self._recording = self._recording, None
-        for group in self.groups:
-            if not (group.held_for_backward or group.active):
-                group.reshard()
-
-    def _ensure_scheduled(self, group: BoundaryGroup, phase: str) -> None:
-        """``group``'s full-size weights must have been scheduled (issued) by now. A boundary
-        with no entry left (run more often than scheduled) is served only in the first step,
-        while the order is still being recorded."""
-        if group.unshard_state is not UnshardState.FREED:
-            return
-        if self.schedule.recorded:
-            raise ScheduleError(
-                f"DMuon: {group.name} ran again after its last scheduled use (phase {phase}); "
-                "the forward order recorded in the first step has it "
-                f"{self.schedule.forward.count(group.index)} time(s) per forward. A boundary "
-                "must run at most as often per forward, on every rank, as in the first step: "
-                "call it a fixed number of times per forward"
-            )
-        group.unshard(phase)
-        if phase == "forward" and self._forward_pass().training:
-            group.held_for_backward = not self.reshard_after_forward
+        if not self.direct:
+            self.walk.close_scope(inside)
 
     # ------------------------------------------------------------------ backward
-    def _begin_backward(self) -> None:
-        if self._backward is not None:
-            return
-        self._end_forward_pass()
-        Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._backward = BackwardCursor()
-        if self.reshard_after_forward:
-            self._issue_backward_unshards(-1)  # the leading ones that did not run here
-
     def pre_backward(self, group: BoundaryGroup) -> None:
-        self._begin_backward()
-        if group.training_state is TrainingState.POST_BACKWARD:
-            return  # a late output gradient: the boundary's own backward is over
-        self._reach_in_backward(group)
-        self._ensure_scheduled(group, "backward_unshard")
-        group.pre_backward()
-        self._advance_reduces()
-
-    def _reach_in_backward(self, group: BoundaryGroup) -> None:
-        """Z3: issue the re-broadcasts up to ``group``'s (and prefetch the next one)."""
-        if not self.reshard_after_forward:
-            return
-        position = self.schedule.backward_unshard.index(group.index)
-        self._issue_backward_unshards(position)
-        if self.schedule.recorded:
-            self._issue_backward_unshards(position + 1)
-
-    def _issue_backward_unshards(self, upto: int) -> None:
-        """Issue the re-broadcasts up to ``upto`` (inclusive), and right after them those of
-        boundaries that did not run here: this rank will never reach them, and a peer that
-        needs one must not wait for this rank to get further (it may be held up by the
-        peer's own collectives, FSDP2's for instance)."""
-        cursor, order = self._backward, self.schedule.backward_unshard
-        while cursor.unshard_issued < len(order) and (
-            cursor.unshard_issued <= upto or order[cursor.unshard_issued] not in self.ran_this_step
-        ):
-            self.groups[order[cursor.unshard_issued]].unshard("backward_unshard", refresh=True)
-            cursor.unshard_issued += 1
+        self.walk.pre_backward(group)
 
     def grad_accumulated(self, group: BoundaryGroup, param: DedicatedParam) -> None:
-        self._begin_backward()
-        group.grads_ready.add(param.index)
-        self._advance_reduces()
-
-    def _advance_reduces(self) -> None:
-        """Issue the reduces, in schedule order, of every boundary whose gradients are final
-        on this rank: all arrived, or it did not run here (it contributes zeros), or the
-        backward is over."""
-        cursor, order = self._backward, self.schedule.reduce
-        while cursor.reduce_issued < len(order):
-            group = self.groups[order[cursor.reduce_issued]]
-            ran = group.index in self.ran_this_step
-            if not (self._ending_backward or not ran or group.grads_final):
-                return
-            # A re-broadcast this rank only joined is freed at the end of backward: waiting
-            # for it here could block on a peer that is not there yet.
-            self._pending_reduces.extend(
-                group.post_backward(
-                    sync=self.requires_gradient_sync and not self.pipelined,
-                    free=ran and not self.pipelined,
-                )
-            )
-            cursor.reduce_issued += 1
-
-    def _end_of_backward(self) -> None:
-        self._ending_backward = True
-        try:
-            if self.reshard_after_forward:
-                self._issue_backward_unshards(len(self.schedule.backward_unshard) - 1)
-            self._advance_reduces()
-            for group in self.groups:
-                # frees re-broadcasts this rank only joined, prefetches; pipelined: keeps all
-                group.end_backward(keep=self.pipelined)
-            self.finalize_reduces()
-            if not self.schedule.recorded:
-                # Every rank's first backward ends here: one gather of the recorded orders.
-                sequences = self.comm.all_gather_objects(self._local_sequence or [])
-                self.schedule = merge_sequences(sequences, len(self.groups))
-                self._local_sequence = self._recording = None
-        finally:
-            self._ending_backward = False
-            self._backward = None
-            self.ran_this_step.clear()
+        self.walk.grad_accumulated(group, param)
 
     def reduce_step_gradients(self) -> None:
         """Pipelining, after the step's last backward on this stage: every boundary's
         accumulated gradients to their owners (in schedule order; the same on every rank
         whatever ran here), the full-size weights dropped, the owners' ``grad`` set."""
-        if not self.pipelined or self.direct or not self._initialized:
-            return
-        if self._backward is not None:
-            raise RuntimeError("reduce_step_gradients inside a backward")
-        for index in self.schedule.reduce:
-            group = self.groups[index]
-            if self.requires_gradient_sync:
-                self._pending_reduces.extend(group.reduce_grads())
-            group.end_backward()
-        self.finalize_reduces()
+        if self.pipelined and not self.direct and self._initialized:
+            self.walk.reduce_step_gradients()
 
     def finalize_reduces(self) -> None:
         """Wait for the issued reduces; owners get ``owned.grad`` (see
@@ -471,7 +252,7 @@ class DMuonState:
         in place already."""
         if self.direct:
             return
-        pending, self._pending_reduces = self._pending_reduces, []
+        pending, self.walk.pending = self.walk.pending, []
         if pending:
             self.presence_syncs += finalize(pending, self.gradient_divide_factor, self.tp_exchange)
 
