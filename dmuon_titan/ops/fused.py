@@ -2,8 +2,7 @@
 
 The owner's step touches every dedicated element a few times outside Newton–Schulz (momentum,
 Nesterov direction, cast to the NS dtype, weight decay, update). On a GPU these passes are
-bandwidth-bound, so fusing them halves that part of the step (docs/benchmarks.md,
-"Measurements behind code choices"). The Triton kernels run for contiguous CUDA tensors when
+bandwidth-bound, so fusing them halves that part of the step (docs/design_notes.md#fused-elementwise-passes). The Triton kernels run for contiguous CUDA tensors when
 Triton imports;
 everything else takes the eager path, which is the reference: the kernels follow its formulas
 (``torch.lerp``'s two-sided form, the momentum buffer rounded to its dtype before use) and

@@ -248,7 +248,7 @@ def inverse_norms(x: Tensor, eps: float, squares: Tensor | None = None) -> Tenso
 
 #: Gram NS computes its symmetric products in this many row panels (``symmetric_matmul``)
 #: when the short side is at least ``SYMMETRIC_PANELS_MIN_SIDE``: panels pay off on large
-#: matrices only, smaller panels being far from the matmul rate (docs/benchmarks.md, "Measurements behind code choices").
+#: matrices only, smaller panels being far from the matmul rate (docs/design_notes.md#row-panels).
 SYMMETRIC_PANELS = 4
 SYMMETRIC_PANELS_MIN_SIDE = 4096
 
@@ -316,7 +316,7 @@ def _kernel_route(
     short, long = sorted(shape[-2:])
     kernel = algorithm != "plain" and symmetric_kernel_runs_for(short, long, dtype, device)
     # The polynomial form and the fold by the kernel: measured in bfloat16 only (float16
-    # keeps the addend form and never folds, _folds; docs/benchmarks.md, thirteenth session).
+    # keeps the addend form and never folds, _folds; docs/design_notes.md#polynomial-form-and-folded-normalization).
     return kernel, kernel and dtype == torch.bfloat16
 
 
@@ -376,9 +376,10 @@ def orthogonalize(
             fold_normalization=measured,
             squares=squares,
         )
-    # Plain NS without panels: they measured slower on its shapes (docs/benchmarks.md, "Measurements behind code choices").
+    # Plain NS without panels: they measured slower on its shapes (docs/design_notes.md#row-panels).
     # With the kernel as X ← P·X: no copy of X into each iteration's last product, and no
-    # less accurate, since the kernel rounds P once (same section); the fold measured so too.
+    # less accurate, since the kernel rounds P once; the fold measured so too
+    # (docs/design_notes.md#polynomial-form-and-folded-normalization).
     return zeropower_via_newtonschulz(
         matrix,
         coefficients,

@@ -73,7 +73,7 @@ def ns_algorithm_for(shape: Sequence[int], algorithm: str, ns_steps: int = 5) ->
 def orthogonalize_flops(shape: Sequence[int], algorithm: str = "plain", ns_steps: int = 5) -> int:
     """FLOPs of :func:`orthogonalize` by ``algorithm`` on a matrix of ``shape``, counting every
     product in full: the owner partition's cost model, which should follow the time of the
-    algorithm that runs (docs/benchmarks.md, "Measurements behind code choices").
+    algorithm that runs (docs/design_notes.md#partition-cost).
 
     A 3-D ``shape`` is a stack of ``shape[0]`` matrices (experts), each orthogonalized on its
     own: the stack costs that many matrices."""

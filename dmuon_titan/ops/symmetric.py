@@ -10,7 +10,7 @@ product into row panels of ordinary matmuls (:func:`_symmetric_matmul_panels`) s
 copies the lower blocks from their transposed mirror images. The Triton kernel here computes
 each upper-triangular output tile {i, j} once, two tiles of one tile row per program (a
 128×256 block, which loads a quarter less per FLOP than a 128×128 one: 7–16 % faster on
-products of 1024-row matrices and of 4096² ones; docs/benchmarks.md, eighteenth session). It
+products of 1024-row matrices and of 4096² ones; docs/design_notes.md#two-tiles-a-program). It
 accumulates in fp32, applies ``alpha``, ``beta·addend``, ``diagonal·I`` and a per-matrix
 ``scale``, and stores each tile at (i, j) and its transpose at (j, i) — half the FLOPs of
 the full product, no second pass over memory. A tile may be computed as its own mirror
@@ -157,7 +157,7 @@ def program_tiles(pid: int, tiles: int) -> tuple[int, int, int, bool]:
 
     Upper tile row i holds tiles i … T−1, s = T − i of them; its programs take them two by
     two, ``floor(s / 2)`` programs. Programs run row by row from the top, left to right
-    (measured faster than from the bottom on 4096-row products, eighteenth session); counted
+    (measured faster than from the bottom on 4096-row products); counted
     from the last of them, q = main − 1 − pid, the rows shorter than s hold
     F(s − 1) = ⌊(s − 1)/2⌋·⌈(s − 1)/2⌉ programs, so s follows from √q. A row of odd length
     leaves its last tile (i, T−1); those tiles, as their mirror images (T−1, i), share tile

@@ -29,7 +29,8 @@ DEFAULT_SMALL_PARAM_NUMEL = 1 << 16
 TP_NS_MODES = ("auto", "owner", "shared")
 
 #: ``tp_ns="auto"``'s exchange rate between a row's traffic and NS FLOPs: the FLOPs one
-#: byte of it costs, an H200's achieved bf16 NS rate (≈ 600 TFLOP/s, docs/benchmarks.md)
+#: byte of it costs, an H200's achieved bf16 NS rate (≈ 600 TFLOP/s,
+#: docs/design_notes.md#shared-newton-schulz-exchange-rate)
 #: over the achieved bandwidth of a tp link (≈ 300 GB/s of NVLink)
 SHARED_NS_FLOPS_PER_BYTE = 2000
 

@@ -108,7 +108,7 @@ class DMuon:
     ns_dtype: str = "bfloat16"
     """dtype the Newton-Schulz iterations run in: "bfloat16" (torch.optim.Muon's), "float16"
     (3 more mantissa bits: a smaller NS error; the direction is normalized before the cast,
-    an extra pass; docs/benchmarks.md), "float32" or "float64"."""
+    an extra pass; docs/design_notes.md#float16-newton-schulz), "float32" or "float64"."""
 
     ns_algorithm: str = "plain"
     """How Newton-Schulz is computed: "plain" (torch.optim.Muon's iteration), "gram" (the same
@@ -116,9 +116,10 @@ class DMuon:
     matrices, equal in exact arithmetic; pair it with ns_dtype = "float16", where it is more
     accurate than plain bfloat16) or "auto" (per shape, whichever needs fewer FLOPs). On CUDA
     in bfloat16/float16, "gram" and "auto" compute their symmetric products (X Xᵀ, A²) by a
-    Triton kernel that does half the FLOPs (dmuon_titan/symmetric.py); in bfloat16 also with
+    Triton kernel that does half the FLOPs (dmuon_titan/ops/symmetric.py); in bfloat16 also with
     the division by the norm folded into the first products and plain iterations as
-    X <- P X (no less accurate than plain bfloat16; docs/benchmarks.md). "plain" stays
+    X <- P X (no less accurate than plain bfloat16;
+    docs/design_notes.md#polynomial-form-and-folded-normalization). "plain" stays
     torch.optim.Muon's exact operations."""
 
     tp_ns: str = "auto"
