@@ -11,7 +11,7 @@ reaches the baseline's final one (linear interpolation between validations).
 A run is named ``<optimizer>_lr<lr>`` by its log's file name (``adamw_lr0.002.log``), or given
 as ``label=path``.
 
-    python3 scripts/analysis/compare_loss.py runs/*.log --baseline adamw --png docs/results/loss.png
+    python3 scripts/analysis/compare_loss.py runs/*.log --baseline adamw --png loss.png
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ per variant the median and mean ratio, how many rounds reach ``--threshold``, a 
 bootstrap interval of the median, and a one-sided sign test of "a round reaches the threshold
 more often than not" (the chance of that many or more under a coin flip).
 
-    python3 scripts/analysis/pool_rounds.py docs/results/small_scale_13/round{1,2}.md
-    (docs/benchmarks.md, "twelfth session", lists the summaries behind its pooled table)
+    python3 scripts/analysis/pool_rounds.py OUT1/throughput.md OUT2/throughput.md
+    python3 scripts/analysis/pool_rounds.py OUT/throughput.md --baseline adamw_w
 """
 
 from __future__ import annotations

@@ -97,8 +97,9 @@ def main() -> None:
         for r in rows[1:]:
             if r["ns_gflop_per_rank"]:
                 loads = r["ns_gflop_per_rank"]
-                # Plain NS FLOPs of all matrices: given, logged (since round 6), or, in older
-                # logs whose plans were weighed by plain FLOPs, the sum of the per-rank loads.
+                # Plain NS FLOPs of all matrices: given, logged (by the converter since
+                # 2026-12-01), or, in older logs whose plans were weighed by plain FLOPs, the
+                # sum of the per-rank loads.
                 total = args.floor_gflop or r["plain_ns_gflop"] or sum(loads)
                 floor_s = total / len(loads) / (args.floor_tflops * 1e3)
                 print(

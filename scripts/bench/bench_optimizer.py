@@ -155,9 +155,10 @@ def build(
             ns_algorithm=algorithm,
             collectives="gather" if "_gather" in variant else "broadcast",
         )
-    # One rank: torchtitan applies no FSDP2 there (its hooks alone cost forward host time,
-    # docs/benchmarks.md), and torch.optim.Muon takes plain tensors, so AdamW and DMuon run
-    # on plain modules too unless --one-rank-fsdp (the layout of tables before 2026-12-03).
+    # One rank: torchtitan applies no FSDP2 there (on one rank it cost AdamW 5.6 ms of
+    # forward+backward at 170M, copying every matrix in and out; H200, 2026-12-03), and
+    # torch.optim.Muon takes plain tensors, so AdamW and DMuon run on plain modules too
+    # unless --one-rank-fsdp (the layout of measurements made before 2026-12-03).
     sharded = dist.get_world_size() > 1 or variant in NEEDS_FSDP or one_rank_fsdp
     if variant == "torch_muon":
         sharded = False
@@ -384,8 +385,7 @@ def main() -> None:
         "--profile",
         default=None,
         help="folder: a torch.profiler trace of one more step of each variant, after the "
-        "timed ones "
-        "(summarize with scripts/analysis/trace_summary.py)",
+        "timed ones (chrome trace JSON: open in Perfetto or chrome://tracing)",
     )
     parser.add_argument(
         "--one-rank-fsdp",

@@ -2,9 +2,10 @@
 """Small-model training and forward-only throughput, AdamW vs DMuon, interleaved in one process.
 
 A small model's step on one GPU is host-bound, and on a shared machine the host's speed
-drifts by more than the difference between the optimizers (docs/benchmarks.md, "Small
-scale"): runs one after another cannot resolve a few percent. Here every variant gets a
-model of the same flavor (torchtitan's llama3, same initial weights) and the same batches,
+drifts by more than the difference between the optimizers (docs/benchmarks.md, "torchtitan,
+small models on one GPU"): runs one after another cannot resolve a few percent. Here every
+variant gets a model of the same flavor (torchtitan's llama3, same initial weights) and the
+same batches,
 and the variants take turns in blocks of ``--block`` steps (synchronized only at block ends,
 as torchtitan synchronizes at its logging steps), the order rotating each round, so drift
 hits all of them alike. Each round also times ``--block`` forward-only passes per variant
@@ -15,13 +16,14 @@ Muon on the default matrices, fused AdamW on the rest, the captured step on its 
 ``dmuon_sync`` (the same, ``async_step=False``: replayed on the compute stream), ``dmuon_eager``
 (the same, ``cuda_graph=False``), ``dmuon_auto`` (``dmuon`` with ``ns_algorithm="auto"``: Gram NS
 and the symmetric kernel where they are faster; same math, other rounding), ``dmuon_auto_clipnow``
-(``dmuon_auto`` with the clip's multiply of the owned gradients done by the clip, as before the
-captured step took it over), ``dmuon_auto_sync`` (``dmuon_auto`` replayed on the compute stream),
+(``dmuon_auto`` with the clip's multiply of the owned gradients done by the clip,
+``defer_owned=False``, instead of inside the captured step), ``dmuon_auto_sync``
+(``dmuon_auto`` replayed on the compute stream),
 ``dmuon_auto_nowait`` (``dmuon_auto`` whose forward does not wait for the step in flight: its
 weights race the step, so only its timing means anything, a bound on what overlapping the
-step with the forward could gain), ``dmuon_auto_full`` (``dmuon_auto`` with the host work it
-had before the twenty-third session: the full checks every step, every block's wait asked of
-the GPU),
+step with the forward could gain), ``dmuon_auto_full`` (``dmuon_auto`` with the host work of the
+library before commit 0f527c4, 2026-12-04: the full checks every step, every block's wait
+asked of the GPU),
 ``adamw_mw`` (``adamw`` whose weights are set to ``dmuon_auto``'s before each of its blocks: the
 same kernels as AdamW's on a Muon-trained model's values, which tells what the weights alone do
 to the forward and backward), ``torch_muon`` (``torch.optim.Muon`` on the same matrices + fused

@@ -3,7 +3,8 @@
 # (configs/llama3_8b_{adamw,dmuon}.toml plus the same overrides). Prints step time, tok/s,
 # peak memory, optimizer/NS time, the ratio, and (T_DMuon - T_AdamW) / T_floor where
 # T_floor = NS FLOPs of all dedicated matrices / (GPUs x MATMUL_TFLOPS, default 786: the bf16
-# 8192^3 matmul rate scripts/bench/bench_ns.py measured on an H200, see docs/benchmarks.md).
+# 8192^3 matmul rate scripts/bench/bench_ns.py measured on an H200; docs/benchmarks.md,
+# "torchtitan llama3-8B on two GPUs").
 #   scripts/bench/bench_titan.sh OUTDIR [torchtitan overrides...]
 #   CONFIG_PREFIX=configs/toy_ scripts/bench/bench_titan.sh /tmp/b --training.steps 6   # CPU smoke
 #   scripts/bench/bench_titan.sh outputs/bench_titan                       # seq 8192, batch 2, full AC

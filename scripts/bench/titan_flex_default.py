@@ -3,8 +3,8 @@
 
 A drop-in for ``-m torchtitan.train`` (same arguments). torchtitan 0.2.2 compiles
 ``flex_attention`` with ``max_autotune``, whose kernel benchmarking outlasts a 10-minute device
-call for gpt_oss (docs/benchmarks.md, the MoE section); the default mode compiles in about a
-minute. The kernels differ, the model and the optimizers do not: this is for checking that a
+call for gpt_oss (docs/benchmarks.md, "Mixture-of-experts on one GPU"); the default mode
+compiles in about a minute. The kernels differ, the model and the optimizers do not: this is for checking that a
 FlexAttention model trains, not for timing it.
 
     torchrun --standalone --nproc_per_node=1 scripts/bench/titan_flex_default.py \\

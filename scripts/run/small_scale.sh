@@ -9,7 +9,7 @@
 #               variant ending in _w (adamw_w, dmuon_auto_w, ...) runs with one data-loader
 #               worker (num_workers 1, prefetch_factor 4) for training and one persistent
 #               worker for validation, so that one call compares the loop with and without
-#               them on the same lease (a persistent validation worker goes on where the last
+#               them on the same machine (a persistent validation worker goes on where the last
 #               validation stopped: other batches each time, so its losses are not comparable
 #               across validations; its throughput no longer counts tokenization)
 #   forward     forward-only (validation) throughput: FWD_VARIANTS (default "adamw dmuon";
@@ -17,12 +17,13 @@
 #               60) training steps with a validation of the whole split every 10: median
 #               validation tok/s per run (the first validation, at step 1, left out)
 #   profile     PROFILE_ACTIVE (default 1) profiled steps ending at step 60 of each of
-#               PROFILE_VARIANTS (default "adamw dmuon"), for scripts/analysis/trace_summary.py
-#               and scripts/analysis/gpu_gaps.py
+#               PROFILE_VARIANTS (default "adamw dmuon"): torchtitan's profiler traces in
+#               OUTDIR/dump_profile_VARIANT/profile_traces (Perfetto or chrome://tracing)
 #   loss        time-to-loss: SEEDS (default "1 2 3") x LOSS_SPECS (default "adamw:5e-4
 #               dmuon:2e-3", VARIANT:lr, e.g. "dmuon_auto:2e-3"; AdamW at 5e-4 and DMuon at 2e-3
-#               are each one's best in docs/benchmarks.md's sweep; the first spec is the
-#               baseline of the comparison, the second the challenger; logs are named
+#               are each one's best in the learning-rate sweep of docs/benchmarks.md, "Training
+#               quality: time to loss"; the first spec is the baseline of the comparison, the
+#               second the challenger; logs are named
 #               VARIANT_s<seed>.log, VARIANT without underscores), 1000 steps on the stdlib corpus
 #               in a shuffled order (dataset pystdlib_shuffled_<seed>), debug.seed = seed,
 #               validation every VAL_FREQ (default 100) steps on the whole split; the
@@ -34,11 +35,7 @@
 #               pystdlib_shuffled_1, validation every 50; into OUTDIR/larger/ with the
 #               throughput summary and the steps to AdamW's final validation loss
 #   PIN (e.g. "0-3"): run every torchrun under `taskset -c PIN`, so that all runs use the same
-#               host cores (a test of whether core placement is the run-to-run spread)
-#   HOST_PROFILE (e.g. "101-300"): every run under scripts/bench/titan_host_profile.py, cProfile
-#               on for those training steps, into OUTDIR/NAME.prof; the throughput part then
-#               prints scripts/analysis/host_profile.py's comparison of every run with the
-#               first (OUTDIR/host_profile.md). cProfile slows the host: its tok/s are not the loop's
+#               host cores (pinning was measured not to remove the run-to-run spread)
 #   TITAN_ARGS: more torchtitan overrides for every run, e.g. "--training.dataloader.num_workers
 #               1" (batches tokenized ahead in a worker: the loop no longer waits on the data)
 #   Every run's config and overrides are appended to OUTDIR/commands.txt.
@@ -70,12 +67,9 @@ titan() {  # titan NAME VARIANT [overrides...]: VARIANT adamw, dmuon, dmuon_sync
     dmuon_sync) opt=dmuon extra+=(--dmuon.no_async_step) ;;
     dmuon_auto) opt=dmuon extra+=(--dmuon.ns_algorithm auto) ;;
   esac
-  local entry=(-m torchtitan.train)
-  [[ -z ${HOST_PROFILE:-} ]] || entry=(scripts/bench/titan_host_profile.py)
   echo "$name: configs/llm170m_${opt}.toml $* ${extra[*]} ${TITAN_ARGS:-}" >>"$OUT/commands.txt"
-  TITAN_PROFILE_STEPS=${HOST_PROFILE:-} TITAN_PROFILE_OUT="$OUT/$name.prof" \
-    ${PIN:+taskset -c "$PIN"} torchrun --standalone --nproc_per_node=1 --role rank --tee 3 \
-    "${entry[@]}" \
+  ${PIN:+taskset -c "$PIN"} torchrun --standalone --nproc_per_node=1 --role rank --tee 3 \
+    -m torchtitan.train \
     --job.config_file "configs/llm170m_${opt}.toml" --job.dump_folder "$OUT/dump_$name" \
     --metrics.disable_color_printing "$@" "${extra[@]}" ${TITAN_ARGS:-} >"$OUT/$name.log" 2>&1 \
     || { echo "$name failed:"; tail -30 "$OUT/$name.log"; return 1; }
@@ -102,11 +96,7 @@ for part in $PARTS; do
     throughput)
       alternate throughput "${VARIANTS:-adamw dmuon}" --training.steps "$STEPS" \
         --metrics.log_freq 10 --validation.freq 100 --training.dataset pystdlib_shuffled_1
-      summarize 20 "$OUT/throughput.md" "${logs[@]}"
-      if [[ -n ${HOST_PROFILE:-} ]]; then  # (every run against the first: AdamW's first)
-        python3 scripts/analysis/host_profile.py "${logs[@]/%.log/.prof}" --top 20 \
-          | tee "$OUT/host_profile.md" || true
-      fi ;;
+      summarize 20 "$OUT/throughput.md" "${logs[@]}" ;;
     forward)
       alternate forward "${FWD_VARIANTS:-adamw dmuon}" --training.steps "${FWD_STEPS:-60}" \
         --metrics.log_freq 10 --validation.freq 10 --training.dataset pystdlib_shuffled_1

@@ -1,6 +1,7 @@
 """The distributed tests on CUDA with NCCL (collectives on their own streams, event waits).
 
-Skipped cleanly without two CUDA devices; run on 2×H200 (results in docs/benchmarks.md).
+Skipped cleanly without two CUDA devices; run on 2×H200 (results in docs/benchmarks.md, "GPU
+tests").
 """
 
 import pytest

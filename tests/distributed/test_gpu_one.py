@@ -1,6 +1,7 @@
 """On one GPU: the captured Muon step (``Muon(cuda_graph=True)``, DMuon's direct path).
 
-Skipped cleanly without CUDA; run on one H200 (result in docs/benchmarks.md)."""
+Skipped cleanly without CUDA; run on one H100 or H200 (results in docs/benchmarks.md, "GPU
+tests")."""
 
 from unittest import mock
 
@@ -252,8 +253,9 @@ def delayed_step_work(rank: int, world_size: int, configs: list[RunConfig]) -> l
         replay(graph)
 
     # The first launch of a kernel loads its module (CUDA's lazy loading), which may
-    # synchronize the whole device and so hide a missing wait (docs/benchmarks.md, seventh
-    # session): the fill kernels the loop's zeroing and scribbles launch are loaded here.
+    # synchronize the whole device and so hide a missing wait (on an H200, 2026-12-02, a wait
+    # taken out went unnoticed until these kernels were loaded first): the fill kernels the
+    # loop's zeroing and scribbles launch are loaded here.
     for dtype in {cfg.param_dtype for cfg in configs}:
         torch.ones(1, dtype=dtype, device=configs[0].device).zero_().fill_(float("nan"))
     torch.cuda._sleep(1)
