@@ -255,7 +255,7 @@ if triton is not None:
     def program_layout(pid, tiles):
         """(row, first column, second column, whether the second is stored) of program
         ``pid`` on a ``tiles``×``tiles`` grid of tiles: :func:`program_tiles`, in Triton (the
-        kernel's, and the experiments' in scripts/bench)."""
+        kernel's)."""
         main = (tiles // 2) * ((tiles + 1) // 2)
         q = tl.maximum(main - 1 - pid, 0)  # (the leftover programs: any row, replaced below)
         m = tl.sqrt(q.to(tl.float32)).to(tl.int32)
@@ -280,8 +280,7 @@ if triton is not None:
     ):  # fmt: skip
         """The epilogue of a block (``acc``: the float32 products of tile row ``row`` by tiles
         ``first`` and ``second`` of matrix ``batch``, :func:`program_layout`'s): alpha, the
-        addend, the diagonal and the scale applied, stored and mirrored (the kernel's, and
-        the experiments' in scripts/bench)."""
+        addend, the diagonal and the scale applied, stored and mirrored (the kernel's)."""
         rows = row * TILE + tl.arange(0, TILE)
         c = tl.arange(0, 2 * TILE)
         cols = tl.where(c < TILE, first * TILE + c, second * TILE + c - TILE)

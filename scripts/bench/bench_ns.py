@@ -10,7 +10,7 @@ same-shape matrices (``ns_batch_numel`` elements per call). Reported: ms per mat
 *plain-equivalent* rate, plain NS FLOPs (``cost.ns_flops``, 2 per FMA) / time, as a share of a
 plain ``N×N @ N×N`` bf16 matmul's rate measured in the same process — above 100 % means the
 method does fewer FLOPs than plain NS. Timed as CUDA graphs of 10 calls (no host launch time
-in the figures: ``timing.graph_median_milliseconds``), after warm-up, median.
+in the figures: ``gpu_timing.graph_median_milliseconds``), after warm-up, median.
 
     python3 scripts/bench/bench_ns.py                 # llama3-8B and the 170M flavor's shapes
     python3 scripts/bench/bench_ns.py --shapes 4096x4096,14336x4096 --methods plain,gram_p4 --json ns.json
@@ -23,11 +23,11 @@ import json
 from functools import partial
 
 import torch
+from gpu_timing import graph_median_milliseconds as timed
 
 from dmuon_titan import newton_schulz
 from dmuon_titan.options import DEFAULT_NS_BATCH_NUMEL
 from dmuon_titan.plan import cost
-from dmuon_titan.timing import graph_median_milliseconds as timed
 
 DEFAULT_SHAPES = "4096x4096,1024x4096,14336x4096,4096x14336,1024x1024,2816x1024"
 

@@ -68,6 +68,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gpu_timing import median_milliseconds
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -75,7 +76,7 @@ from torch.distributed.fsdp import fully_shard
 import dmuon_titan as dmuon
 from dmuon_titan.exit import end_distributed_run
 from dmuon_titan.naive import NaiveMuon
-from dmuon_titan.timing import PhaseTimer, median_milliseconds
+from dmuon_titan.timing import PhaseTimer
 
 SHAPES = {  # n_layers, dim, kv_dim, ffn_hidden
     "8B": (32, 4096, 1024, 14336),

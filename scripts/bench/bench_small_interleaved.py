@@ -62,11 +62,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_optimizer import clip  # (this directory: the script's own on sys.path)
+from gpu_timing import gpu_busy_milliseconds, interval_union
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon_titan as dmuon
 from dmuon_titan.exit import end_distributed_run
-from dmuon_titan.timing import gpu_busy_milliseconds, interval_union
 from dmuon_titan.toy.flavors import add_flavors
 
 VARIANTS = (

@@ -22,9 +22,9 @@ import json
 from functools import partial
 
 import torch
+from gpu_timing import graph_median_milliseconds as timed
 
 from dmuon_titan import symmetric
-from dmuon_titan.timing import graph_median_milliseconds as timed
 
 DEFAULT_CASES = "1x4096x14336,8x4096x14336,1x4096sq,8x4096sq,32x1024x4096,32x1024sq"
 DEFAULT_CONFIGS = "128/64/8/4,128/64/8/3,128/128/8/3,64/64/4/4"

@@ -7,8 +7,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 T=tests/distributed/test_gpu_one.py::test_the_asynchronous_step_is_waited_for_by_everything_that_reads_it
 run() { echo "$1: $(python3 -m pytest -q "$T" -p no:cacheprovider 2>&1 | tail -1)"; }
-files=(dmuon_titan/runtime/state.py dmuon_titan/runtime/hooks.py dmuon_titan/muon.py
-       dmuon_titan/step_graph.py dmuon_titan/state_dict.py)
+files=(dmuon_titan/runtime/state.py dmuon_titan/optim/muon.py dmuon_titan/optim/captured.py
+       dmuon_titan/state_dict.py)
 for f in "${files[@]}"; do cp "$f" "$f.orig"; done
 restore() { for f in "${files[@]}"; do cp "$f.orig" "$f"; done; }
 cut() {  # cut FILE OLD NEW: replace every OLD by NEW (OLD must be there)
@@ -19,18 +19,16 @@ cut dmuon_titan/runtime/state.py "        if self.direct:
             self.wait_for_step()
             return" "        if self.direct:
             return"
-cut dmuon_titan/runtime/state.py "        if self.direct:
-            self.wait_for_step()
-            # (an owed" "        if self.direct:
-            # (an owed"
+cut dmuon_titan/runtime/state.py "            self.wait_for_step()
+            if self.step_waits_armed" "            if self.step_waits_armed"
 run "forwards do not wait, the root's nor the boundaries' (must fail)"; restore
-cut dmuon_titan/muon.py "        if not set_to_none:
+cut dmuon_titan/optim/muon.py "        if not set_to_none:
             self.step_graph.wait()
 " ""
 run "zero_grad in place does not wait (must fail)"; restore
-cut dmuon_titan/step_graph.py "        self._held = [p.grad for p in params]" "        self._held = []"
+cut dmuon_titan/optim/captured.py "        self._held = [p.grad for p in params]" "        self._held = []"
 run "a replay's gradients are not held until the next wait (must fail)"; restore
-cut dmuon_titan/runtime/hooks.py "        *register_state_dict_waits(state, root)," ""
+cut dmuon_titan/runtime/state.py "        hooks.register_state_dict_waits(self.root, self.wait_for_step)" ""
 run "model.state_dict() does not wait (must fail)"; restore
 cut dmuon_titan/state_dict.py "    optimizer.step_graph.wait()  # (a step in flight still writes its state)" ""
 run "optimizer state-dict function does not wait (must fail)"; restore

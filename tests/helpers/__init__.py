@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 ANALYSIS = Path(__file__).resolve().parents[2] / "scripts" / "analysis"
+BENCH = ANALYSIS.parent / "bench"
 
 
 def relative_errors(weights, reference, init) -> dict[str, float]:
@@ -19,6 +20,13 @@ def relative_errors(weights, reference, init) -> dict[str, float]:
         change = (ref.double() - init[key].double()).norm()
         errors[key] = ((weights[key].double() - ref.double()).norm() / change).item()
     return errors
+
+
+def bench_script(name: str):
+    """Import ``scripts/bench/<name>.py`` as the module ``name`` (its siblings too)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
 
 
 def analysis_script(name: str):

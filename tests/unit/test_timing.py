@@ -1,10 +1,12 @@
-"""Benchmark timing helpers (dmuon_titan.timing): the interval union on CPU; the spin that
+"""Benchmark timing helpers (scripts/bench/gpu_timing.py): the interval union on CPU; the spin that
 keeps timed replays off the power cap on a GPU."""
 
 import pytest
 import torch
 
-from dmuon_titan import timing
+from ..helpers import bench_script
+
+timing = bench_script("gpu_timing")
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
