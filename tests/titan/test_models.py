@@ -159,6 +159,28 @@ def test_moe_model_trains_with_expert_parallelism(tokenizer_dir, tmp_path, name,
     assert "experts cut by expert parallelism 2" in out
 
 
+@pytest.mark.parametrize(
+    "params", [r"layers\.\d+\.attention\.wq\.weight", r"layers\.\d+\.moe\.router\.gate\.weight"]
+)
+def test_expert_stacks_left_on_adamw_under_expert_parallelism(tokenizer_dir, tmp_path, params):
+    """deepseek_v3 at ep 2 on 2 ranks with ``[dmuon] params`` leaving the expert stacks on
+    AdamW (they stay EP DTensors on the expert meshes, the rest on FSDP's): 6 steps, clipping
+    on, the loss falls, and the first step's gradient norm (taken over both meshes and the
+    owners) equals stock torchtitan's AdamW within 1e-6, from one seed checkpoint."""
+    seed = _model_seed(tokenizer_dir, tmp_path, "deepseek_v3", "debugmodel")
+    common = [*model_args("deepseek_v3", "debugmodel", 6), *from_seed(seed, 6), *EP2]
+    norms, losses, outs = {}, {}, {}
+    for opt, config in (("dmuon", TOY), ("adamw", REPO / "configs" / "toy_adamw.toml")):
+        dump = tmp_path / opt
+        extra = ["--dmuon.params", params] if opt == "dmuon" else []
+        outs[opt] = run_ok(2, *toy_args(tokenizer_dir, dump, *common, *extra, config=config))
+        norms[opt], losses[opt] = tb_scalars(dump, "grad_norm"), tb_losses(dump)
+    assert "expert stacks:" not in outs["dmuon"], outs["dmuon"][-3000:]
+    assert abs(norms["dmuon"][1] - norms["adamw"][1]) <= 1e-6 * norms["adamw"][1]
+    assert sorted(losses["dmuon"]) == list(range(1, 7))
+    assert losses["dmuon"][6] < losses["dmuon"][1], losses
+
+
 def test_moe_resumes_bit_exactly_and_loads_at_another_expert_degree(tokenizer_dir, tmp_path):
     """deepseek_v3 with expert parallelism 2 on 2 ranks: 6 steps; stopped at 3 and resumed,
     steps 4-6 are bit-identical, and so are the step-6 checkpoints; the step-3 checkpoint
