@@ -19,12 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from .checkpoint import install_checkpoint_hooks
-from .clip import install_clip
-from .converter import MODEL_NAMES, DMuonConverter
-from .metrics import build_metrics_processor, count_full_sizes
-from .optimizer import builder_for
-from .parallelize import (
+import torch
+
+from .errors import ConfigError, check_torchtitan_version
+
+# Before anything imports torchtitan's modules: another release lacks what they hook into.
+check_torchtitan_version()
+
+from .checkpoint import install_checkpoint_hooks  # noqa: E402
+from .clip import install_clip  # noqa: E402
+from .converter import MODEL_NAMES, DMuonConverter  # noqa: E402
+from .metrics import build_metrics_processor, count_full_sizes  # noqa: E402
+from .optimizer import builder_for  # noqa: E402
+from .parallelize import (  # noqa: E402
     install_expert_parallel_patch,
     install_no_parallel_patch,
     wrap_parallelize,
@@ -34,11 +41,39 @@ from .parallelize import (
 _installed = False
 
 
+class _NoGpu:
+    """torchtitan's device module on a machine without a GPU (where it still picks
+    ``torch.cuda``): its trainer's first use of it, ``set_device`` right after importing
+    ``custom_import``, ends in one line saying what runs on CPU instead of torch's error.
+    The repository's CPU harness (``custom_import = "dmuon_titan.toy"``) replaces it first."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+    def set_device(self, device) -> None:
+        raise ConfigError(
+            "no GPU on this machine, and torchtitan 0.2.2 trains on CUDA only: for a CPU run "
+            'set [experimental] custom_import = "dmuon_titan.toy" (this repository\'s CPU '
+            "harness: gloo ranks, offline data; see the README)"
+        )
+
+
+def check_device() -> None:
+    """Without a GPU, torchtitan's device module becomes :class:`_NoGpu`."""
+    if torch.cuda.is_available():
+        return
+    from torchtitan.tools import utils
+
+    if utils.device_module is torch.cuda:
+        utils.device_module = _NoGpu()
+
+
 def install() -> None:
     """Idempotent: register everything listed in the module docstring."""
     global _installed
     if _installed:
         return
+    check_device()
     from torchtitan.protocols import train_spec as train_spec_module
     from torchtitan.protocols.model_converter import (
         _registry_model_converter_cls,

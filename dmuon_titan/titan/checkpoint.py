@@ -13,12 +13,14 @@ Two class-level hooks (the trainer may run as ``__main__``, so module-level rebi
   params`` changed, or an AdamW run resumed with DMuon) load their weights, and their
   optimizer state starts fresh, said in one line; missing optimizer hyper-parameters come
   from this job's config; anything else missing ends the run with one line naming the keys,
-  instead of DCP's traceback on every rank.
+  instead of DCP's traceback on every rank; so does a step folder whose files are missing
+  or truncated.
 """
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ from torchtitan.tools.logging import logger
 from ..api import clean_fqn, wait_all_replicate_broadcasts
 from ..runtime.state import STATE_ATTR
 from ..state_dict import get_model_state_dict, set_model_state_dict
-from .config import ConfigError
+from .errors import ConfigError
 
 #: optimizer state that says which update rule a parameter was under when saved
 _MUON_STATE, _ADAMW_STATE = "momentum_buffer", "exp_avg"
@@ -127,9 +129,45 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def checkpoint_file_problem(checkpoint_id: str) -> str | None:
+    """What keeps the DCP checkpoint folder ``checkpoint_id`` from being read, in words (a
+    missing or unreadable ``.metadata``, a file it names missing or shorter than the data it
+    holds there), or None."""
+    folder = Path(checkpoint_id)
+    if not (folder / ".metadata").is_file():
+        return "its .metadata file is missing"
+    try:
+        metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    except Exception as err:  # (any reason: it is named in the line)
+        return f"its .metadata file cannot be read ({type(err).__name__})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"its file {name} is missing"
+        if path.stat().st_size < size:
+            return f"its file {name} is truncated ({path.stat().st_size} of {size} bytes)"
+    return None
+
+
+def _check_files(checkpoint_id: str) -> None:
+    """One line, before DCP reads anything, if some rank finds the folder unreadable."""
+    problem = checkpoint_file_problem(checkpoint_id)
+    if _any_rank(problem is not None):
+        raise ConfigError(
+            f"checkpoint {checkpoint_id} cannot be read: {problem or 'on another rank'}. Resume "
+            "from an earlier step ([checkpoint] load_step) or delete that step folder"
+        )
+
+
 def _checking_load(dcp_load):
     @functools.wraps(dcp_load)
     def wrapper(self, state_dict, checkpoint_id, from_hf, from_quantized):
+        if not from_hf:
+            _check_files(checkpoint_id)
         parts = getattr(self.states.get("model"), "model", [])
         if from_hf or not any(_has_dmuon(p) for p in parts):
             return dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized)

@@ -7,7 +7,6 @@ or command line); a bad value exits with one line naming the key.
 (No ``from __future__ import annotations`` here: torchtitan's merge needs real annotations.)
 """
 
-import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import SimpleNamespace
@@ -19,20 +18,7 @@ from ..ops.newton_schulz import NS_COEFFICIENT_SETS
 from ..ops.update import ADJUST_LR_FNS
 from ..options import DEFAULT_NS_BATCH_NUMEL, DedicateOptions, MuonOptions, OptionError
 from ..plan.partition import DEFAULT_SMALL_PARAM_NUMEL
-
-
-class ConfigError(SystemExit):
-    """A bad configuration value: every rank exits (code 1) with no traceback; the message,
-    one line, is printed by the first rank only (``RANK`` as torchrun sets it)."""
-
-    def __init__(self, message: str) -> None:
-        self.message = f"dmuon_titan config error: {message}"
-        first = os.environ.get("RANK", "0") == "0"
-        super().__init__(self.message if first else 1)
-
-    def __str__(self) -> str:
-        return self.message
-
+from .errors import ConfigError, check_torchtitan_version
 
 MODES = ("dedicated", "naive")
 HOOK_BOUNDARIES = ("block", "module")
@@ -290,4 +276,5 @@ def _install_toml_key_check() -> None:
     ConfigManager._dict_to_dataclass = _dict_to_dataclass
 
 
+check_torchtitan_version()
 _install_toml_key_check()

@@ -17,7 +17,7 @@ from torchtitan.tools.logging import logger
 from ..api import check_pipeline_schedule, clean_fqn, dedicate_params, summarize_plan
 from ..ops.ns_cost import orthogonalize_flops
 from ..options import options_kwargs
-from .config import ConfigError
+from .errors import ConfigError
 from .selection import TP_KEPT_WHOLE, describe_selection, muon_predicate
 
 #: The train specs whose builders learn DMuon: every LLM torchtitan 0.2.2 ships.

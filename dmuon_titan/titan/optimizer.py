@@ -17,8 +17,8 @@ from ..optim.muon import Muon
 from ..optim.naive import NaiveMuon
 from ..options import options_kwargs
 from ..state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from .config import ConfigError
 from .converter import job_of
+from .errors import ConfigError
 
 _stock_build_optimizers = titan_optimizer.build_optimizers
 

@@ -21,8 +21,8 @@ from ..api import move_hooks_outside_compile, prepare_pipeline_stage, set_gradie
 from ..runtime.init_rng import wrap_init_weights
 from ..runtime.owned_param import dedicated_of, is_dedicated
 from ..runtime.state import STATE_ATTR
-from .config import ConfigError
 from .converter import JOB_ATTR, dedicate
+from .errors import ConfigError
 
 
 def install_expert_parallel_patch() -> None:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..api import clean_fqn
-from .config import ConfigError
+from .errors import ConfigError
 
 _LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
 

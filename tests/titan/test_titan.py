@@ -488,7 +488,7 @@ def test_bad_config_exits_cleanly_under_torchrun(tokenizer_dir, tmp_path, name):
     config, override, key = BAD_CONFIGS[name]
     rc, out = torchrun(2, *_bad_config_args(tokenizer_dir, tmp_path, config, override), timeout=300)
     _assert_one_clean_line(rc, out, key)
-    assert "dmuon_titan launch: torchtitan.train failed (rank " in out, out[-3000:]
+    assert "dmuon_titan launch: torchtitan.train failed: rank " in out, out[-3000:]
 
 
 def test_resuming_another_optimizers_checkpoint_is_one_line(tokenizer_dir, tmp_path):
