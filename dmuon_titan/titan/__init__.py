@@ -6,6 +6,8 @@ Importing this package (torchtitan does it at the start of ``Trainer.__init__``)
 - ``[optimizer] name = "DMuon"`` in the optimizer builders of torchtitan's language models
   (``MODEL_NAMES``; every other name goes to the spec's own builder, unchanged, and DMuon's
   container gets what the spec's builder adds, e.g. MoE load balancing),
+- validation for every language model (:mod:`.validation`: torchtitan 0.2.2's validator
+  gives SDPA models masks they refuse, and two train specs lack one),
 - owner-only checkpoints with a drain before every save, global-norm gradient clipping over
   owned matrices, DMuon figures in the metrics (model size and FLOPs counted with the dedicated
   matrices whole; progress and summary lines).
@@ -37,6 +39,7 @@ from .parallelize import (  # noqa: E402
     wrap_parallelize,
     wrap_pipelining,
 )
+from .validation import install_validation_fix, validator_for  # noqa: E402
 
 _installed = False
 
@@ -96,12 +99,14 @@ def install() -> None:
                 pipelining_fn=wrap_pipelining(spec.pipelining_fn),
                 build_optimizers_fn=builder_for(spec.build_optimizers_fn),
                 build_metrics_processor_fn=build_metrics_processor,
+                build_validator_fn=validator_for(spec.build_validator_fn),
             ),
         )
     install_checkpoint_hooks()
     install_expert_parallel_patch()
     install_no_parallel_patch()
     install_clip()
+    install_validation_fix()
     _installed = True
 
 
