@@ -246,12 +246,8 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
         if dedicated is None:  # (a stage without Muon matrices: nothing selected)
             logger.info(f"DMuon: {stage} holds no Muon matrix: AdamW steps all its parameters")
             return
-    except ValueError as err:
-        if "expert-parallel degree" not in str(err):
-            raise
-        raise ConfigError(
-            f"parallelism.expert_parallel_degree = {parallel_dims.ep}: {err}"
-        ) from None
+    except ValueError as err:  # (dedicate_params checks its input before any collective)
+        raise ConfigError(f"{_key_of(str(err), parallel_dims)}: {err}") from None
     training = job_config.training
     summary = summarize_plan(
         model,
@@ -288,6 +284,16 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
         f"{summary['bytes_per_rank_per_step']['total'] / 2**20:.1f} MiB per rank per step "
         f"({z}, {_layouts(summary['boundaries'])}); {ns}"
     )
+
+
+def _key_of(message: str, parallel_dims) -> str:
+    """The config key a ``dedicate_params`` refusal is about: the expert- or tensor-parallel
+    degree it names, else the selection of Muon matrices."""
+    if "expert-parallel degree" in message:
+        return f"parallelism.expert_parallel_degree = {parallel_dims.ep}"
+    if "tensor-parallel degree" in message or "tp_mesh" in message:
+        return f"parallelism.tensor_parallel_degree = {parallel_dims.tp}"
+    return "[dmuon] params"
 
 
 def _count(n: int, noun: str) -> str:

@@ -124,8 +124,8 @@ def test_the_plugin_lines_on_a_machine_without_a_gpu_are_one_line(
 def test_a_tensor_parallel_degree_that_divides_no_matrix_is_one_line(
     tokenizer_dir, tmp_path, launcher
 ):
-    """``tensor_parallel_degree = 3`` on 3 ranks (the toy's matrices have 256 and 768 rows and
-    columns... and 64-wide heads: 3 divides none of the sharded dims): one line naming the
+    """``tensor_parallel_degree = 3`` on 3 ranks, which divides no dimension of the toy's
+    matrices (``dedicate_params``' own check, before any collective): one line naming the
     degree, printed once."""
     args = toy_args(
         tokenizer_dir,
