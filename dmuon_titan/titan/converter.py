@@ -14,7 +14,7 @@ from torch import nn
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
-from ..api import check_pipeline_schedule, clean_fqn, dedicate_params, summarize_plan
+from ..api import check_pipeline_schedule, dedicate_params, summarize_plan
 from ..ops.ns_cost import orthogonalize_flops
 from ..options import options_kwargs
 from .errors import ConfigError
@@ -199,24 +199,6 @@ def check_stacks(job_config, parallel_dims, model: nn.Module, predicate) -> None
             raise ConfigError(
                 f"checkpoint.{key} = true: torchtitan's Hugging Face conversion does not take "
                 "DMuon's expert-stack pieces yet; use DCP checkpoints"
-            )
-    if parallel_dims.ep > 1:
-        # Expert parameters left on AdamW would be EP DTensors, whose gradients DMuon's
-        # global-norm clipping does not combine with the others yet.
-        held = {
-            clean_fqn(n)
-            for m_name, m in model.named_modules()
-            if type(m).__name__.endswith("GroupedExperts")
-            for n in (f"{m_name}.{a}" for a in m._parameters)
-        }
-        left = sorted(
-            n for n, p in model.named_parameters() if clean_fqn(n) in held and not predicate(n, p)
-        )
-        if left:
-            raise ConfigError(
-                f"parallelism.expert_parallel_degree = {parallel_dims.ep}: the experts' "
-                f"{left[:3]} stay on AdamW (not expert stacks), which DMuon does not combine "
-                "with expert parallelism yet: expert_parallel_degree = 1"
             )
 
 
