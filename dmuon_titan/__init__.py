@@ -4,6 +4,8 @@ Importing it changes nothing in torch: :func:`dedicate_params` makes FSDP2's ``f
 and composable ``replicate`` (DDP) skip dedicated parameters when it is called.
 """
 
+# The modules' former paths, attributes of the package as before (aliases of the moved ones).
+from . import fused, muon, newton_schulz, step_graph, symmetric, update  # noqa: F401
 from .api import (
     check_pipeline_schedule,
     dedicate_params,

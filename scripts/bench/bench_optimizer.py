@@ -76,6 +76,7 @@ from torch.distributed.fsdp import fully_shard
 import dmuon_titan as dmuon
 from dmuon_titan.exit import end_distributed_run
 from dmuon_titan.naive import NaiveMuon
+from dmuon_titan.options import DEFAULT_NS_BATCH_NUMEL
 from dmuon_titan.timing import PhaseTimer
 
 SHAPES = {  # n_layers, dim, kv_dim, ffn_hidden
@@ -141,7 +142,7 @@ def build(
     shape,
     mesh,
     device,
-    ns_batch_numel: int = dmuon.muon.DEFAULT_NS_BATCH_NUMEL,
+    ns_batch_numel: int = DEFAULT_NS_BATCH_NUMEL,
     one_rank_fsdp: bool = False,
 ):
     with torch.device("meta"):
