@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train with torchtitan + DMuon: on every local GPU if there are any, else on 2 CPU ranks (gloo).
 #   scripts/train.sh                      # the showcase: the toy job with AdamW, then with
-#                                         # DMuon, then the two compared (~2 min on 2 CPU cores)
+#                                         # DMuon, then the two compared (3-5 min on 2 CPU cores)
 #   scripts/train.sh config.toml [torchtitan overrides...]    # one run
 #   scripts/train.sh configs/toy_dmuon.toml --training.steps 50
 # Offline: the tokenizer is trained here on the Python standard library (once, ~10 s).
@@ -24,9 +24,8 @@ if [[ $# -eq 0 ]]; then
     --baseline adamw
   echo "(On CPU a DMuon step costs more than an AdamW step: Newton-Schulz in float32 on the"
   echo " cores. On GPUs it runs in bf16: llama3-8B on 2 H200s 1.15x AdamW's step time, a 170M"
-  echo " model on one H200 0.89-0.93x AdamW's tok/s (medians over rounds on several machines),"
-  echo " 0.60x the steps and less wall-clock to the same loss; see"
-  echo " README.md, \"Results on GPUs\".)"
+  echo " model on one H100 0.92-0.95x AdamW's tok/s, 0.60x the steps and about 0.66x the"
+  echo " wall-clock to the same loss; see docs/benchmarks.md.)"
   exit 0
 fi
 CONFIG=$1
