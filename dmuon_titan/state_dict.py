@@ -387,6 +387,34 @@ def _set_sharded_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_d
 
 
 def _set_full_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: dict) -> None:
+    """Load a full optimizer state dict (keyed by fqn) into ``optimizer``."""
+    by_fqn = _full_optimizer_params(model, optimizer, state_dict)
+    saved_groups = state_dict["param_groups"]
+    dedicated = _dedicated_by_fqn(_state(model))
+    new_state: dict[torch.Tensor, dict[str, Any]] = {}
+    for fqn, saved in state_dict["state"].items():
+        p = by_fqn[fqn]
+        d = dedicated.get(fqn)
+        if d is not None:
+            momentum = _full_dedicated_momentum(fqn, saved, d)
+            if momentum is not None:
+                new_state[p] = {
+                    "momentum_buffer": momentum.to(device=p.device, dtype=p.dtype).clone()
+                }
+            continue
+        new_state[p] = _full_plain_entry(optimizer, fqn, saved, p)
+    optimizer.state.clear()
+    optimizer.state.update(new_state)
+    for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
+        for k, v in saved.items():
+            if k != "params":
+                group[k] = v
+
+
+def _full_optimizer_params(
+    model: nn.Module, optimizer: Muon, state_dict: dict
+) -> dict[str, torch.Tensor]:
+    """fqn -> parameter, once a full optimizer state dict's layout is checked against ours."""
     if set(state_dict) != {"state", "param_groups"}:
         raise ValueError(
             f"optimizer state dict must have keys 'state' and 'param_groups', got {sorted(state_dict)}"
@@ -411,45 +439,35 @@ def _set_full_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict
     unknown = sorted(set(state_dict["state"]) - set(by_fqn))
     if unknown:
         raise ValueError(f"optimizer state dict has state for unknown parameters {unknown}")
+    return by_fqn
 
-    dedicated = _dedicated_by_fqn(_state(model))
-    new_state: dict[torch.Tensor, dict[str, Any]] = {}
-    for fqn, saved in state_dict["state"].items():
-        p = by_fqn[fqn]
-        d = dedicated.get(fqn)
-        if d is not None:
-            if set(saved) != {"momentum_buffer"} or tuple(saved["momentum_buffer"].shape) != tuple(
-                d.shape
-            ):
+
+def _full_dedicated_momentum(fqn: str, saved: dict, d: DedicatedParam) -> torch.Tensor | None:
+    """This rank's part of a dedicated matrix's saved momentum (``None`` unless its owner)."""
+    if set(saved) != {"momentum_buffer"} or tuple(saved["momentum_buffer"].shape) != tuple(d.shape):
+        raise ValueError(f"optimizer state for {fqn!r} is not a {tuple(d.shape)} momentum buffer")
+    if not d.is_owner:
+        return None
+    momentum = saved["momentum_buffer"]
+    if d.stacked:
+        momentum = momentum[d.piece[0] : d.piece[1]]
+    return momentum
+
+
+def _full_plain_entry(optimizer: Muon, fqn: str, saved: dict, p: torch.Tensor) -> dict[str, Any]:
+    """A parameter's optimizer state from its full saved entry, laid out like ``p``."""
+    entry = {}
+    for k, v in saved.items():
+        if isinstance(v, torch.Tensor) and v.ndim > 0:  # shaped like the parameter
+            if tuple(v.shape) != tuple(p.shape):
                 raise ValueError(
-                    f"optimizer state for {fqn!r} is not a {tuple(d.shape)} momentum buffer"
+                    f"optimizer state {fqn!r}.{k} has shape {tuple(v.shape)}, expected {tuple(p.shape)}"
                 )
-            if d.is_owner:
-                momentum = saved["momentum_buffer"]
-                if d.stacked:
-                    momentum = momentum[d.piece[0] : d.piece[1]]
-                new_state[p] = {
-                    "momentum_buffer": momentum.to(device=p.device, dtype=p.dtype).clone()
-                }
-            continue
-        entry = {}
-        for k, v in saved.items():
-            if isinstance(v, torch.Tensor) and v.ndim > 0:  # shaped like the parameter
-                if tuple(v.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"optimizer state {fqn!r}.{k} has shape {tuple(v.shape)}, expected {tuple(p.shape)}"
-                    )
-                entry[k] = _shard_like(p, v).clone()
-            elif isinstance(v, torch.Tensor):
-                # AdamW's step counter lives on the device only for the fused kernel.
-                fused = bool(optimizer.param_groups[1]["fused"])
-                entry[k] = v.to(p.device) if fused else v.clone()
-            else:
-                entry[k] = v
-        new_state[p] = entry
-    optimizer.state.clear()
-    optimizer.state.update(new_state)
-    for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
-        for k, v in saved.items():
-            if k != "params":
-                group[k] = v
+            entry[k] = _shard_like(p, v).clone()
+        elif isinstance(v, torch.Tensor):
+            # AdamW's step counter lives on the device only for the fused kernel.
+            fused = bool(optimizer.param_groups[1]["fused"])
+            entry[k] = v.to(p.device) if fused else v.clone()
+        else:
+            entry[k] = v
+    return entry

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .bucket import OwnerBucket, PendingReduce, common_dtypes
+from .bucket_reduce import reduce_bucket, reduce_gathered
 from .collectives import Collectives, Pending
 from .owned_param import DedicatedParam
 from .stack import ExpertStack
@@ -275,89 +276,16 @@ class BoundaryGroup:
     # ---------------------------------------------------------------- gradients out
     def reduce_grads(self) -> list[PendingReduce]:
         """Stage 1 (shard ranks, to the column) and, with replicas, stage 2 (across replicas,
-        to the global owner) for every bucket; returns what owners unpack later."""
+        to the global owner) for every bucket (``bucket_reduce.py``); returns what owners
+        unpack later."""
         issued = [stack.reduce_grads(self.comm, self.name) for stack in self.stacks]
         if self.gathered:
-            return issued + self._reduce_grads_gathered()
-        for bucket in self.buckets:
-            flat = bucket.pack_grads()
-            stage1 = self.comm.reduce_sum(
-                flat, bucket.owner_shard, "reduce", len(bucket.params), what=self.name
+            return issued + reduce_gathered(
+                self.comm, self.buckets, self.reduce_slot_numel, self.reduce_dtype, self.name
             )
-            issued.append(self._stage2(bucket, flat, stage1, flat))
+        for bucket in self.buckets:
+            issued.append(reduce_bucket(self.comm, bucket, self.name))
         return issued
-
-    def _reduce_grads_gathered(self) -> list[PendingReduce]:
-        """One reduce-scatter: every bucket packed at its column's slot (padding zeroed);
-        this rank receives its column's bucket summed, in a tensor of its own (so the other
-        slots are freed once the collective is done)."""
-        slot, shards = self.reduce_slot_numel, self.mesh.shard_size
-        flat = torch.empty(shards * slot, dtype=self.reduce_dtype, device=self.mesh.device)
-        by_column = {bucket.owner_shard: bucket for bucket in self.buckets}
-        for column in range(shards):
-            region = flat[column * slot : (column + 1) * slot]
-            bucket = by_column.get(column)
-            used = 0 if bucket is None else bucket.reduce_numel
-            if bucket is not None:
-                bucket.pack_grads(region[:used])
-            if used < slot:
-                region[used:].zero_()
-        mine = by_column.get(self.mesh.shard_rank)
-        # One rank: nothing to scatter, the packed buffer is the sum.
-        out = flat if shards == 1 else torch.empty_like(flat[:slot])
-        stage1 = self.comm.reduce_scatter_slots(
-            flat, out, "reduce", sum(len(b.params) for b in self.buckets), what=self.name
-        )
-        if mine is None:
-            return [PendingReduce(None, None, [stage1])]
-        return [self._stage2(mine, out[: mine.reduce_numel], stage1, out)]
-
-    def _stage2(
-        self,
-        bucket: OwnerBucket,
-        flat: torch.Tensor,
-        stage1,
-        base: torch.Tensor,
-    ) -> PendingReduce:
-        """After stage 1 left ``bucket``'s column sum in ``flat`` (a slice of ``base``, on the
-        column's ranks): with replicas, each segment to its global owner; what the owner
-        unpacks later. The owned gradients become ``owned.grad`` as views, so when they are
-        only part of ``base`` (other replicas' segments, a gather slot's padding) they are
-        copied out first: otherwise all of ``base`` would stay allocated until the gradients
-        are freed, for every boundary at once by the end of backward.
-
-        On CUDA stage 2 and the copy queue behind stage 1 on the reduce stream; without
-        streams they need stage 1 done on the host, so they wait for
-        :meth:`PendingReduce.complete` (see there why not now)."""
-
-        comm = self.comm
-
-        def rest() -> PendingReduce:
-            handles = [stage1]
-            if self.mesh.replicate_size > 1 and bucket.holds_source:
-                for segment in bucket.segments:
-                    handles.append(
-                        comm.reduce_sum(
-                            segment.of(flat),
-                            segment.replica,
-                            "reduce_replicate",
-                            len(segment.params),
-                            group="replicate",
-                            what=self.name,
-                        )
-                    )
-            owned = bucket.owned_segment()
-            if owned is None:
-                return PendingReduce(None, None, handles)
-            data = owned.of(flat)
-            if owned.numel < base.numel():
-                data, done = comm.compact(data, handles)
-                handles = [*handles, done]
-            return PendingReduce(owned, data, handles)
-
-        if self.mesh.device.type == "cuda":
-            return rest()
-        return PendingReduce(None, None, [stage1], rest=rest)
 
     # ---------------------------------------------------------------- updates back to replicas
     def broadcast_updates(self) -> None:

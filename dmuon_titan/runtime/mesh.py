@@ -195,16 +195,11 @@ def new_process_groups(
     on the default group, at setup).
     """
 
-    def ranks_of(group) -> tuple[int, ...] | None:
-        if group is None or dist.get_world_size(group) == 1:
-            return None
-        return tuple(dist.get_process_group_ranks(group))
-
     mine = {
-        "unshard": ranks_of(shard_group),
-        "reduce": ranks_of(shard_group),
-        "replicate": ranks_of(replicate_group),
-        "tp": ranks_of(tp_group),
+        "unshard": _ranks_of(shard_group),
+        "reduce": _ranks_of(shard_group),
+        "replicate": _ranks_of(replicate_group),
+        "tp": _ranks_of(tp_group),
         "expert": expert[1],
         "grid": grid,
     }
@@ -215,34 +210,50 @@ def new_process_groups(
     )
     if dist.get_world_size() == 1:
         return result, ()
+    everyone = _gather_groups(mine)
+    mine = everyone[dist.get_rank()]
+    layout: tuple[tuple[int, ...], ...] = ()
+    if grid and expert[0] > 1:  # over this rank's data-parallel world (not other stages')
+        layout = _expert_layout(everyone, expert[0])
+    for kind, ranks in _wanted_groups(everyone, (*kinds, *grid_kinds)):
+        group = dist.new_group(list(ranks))
+        if mine.get(kind) == ranks:
+            result[kind] = group
+    return result, layout
+
+
+def _ranks_of(group: dist.ProcessGroup | None) -> tuple[int, ...] | None:
+    """The global ranks of ``group``, or ``None`` for no group or a group of one rank."""
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _gather_groups(mine: dict) -> list[dict]:
+    """Every rank's group entry (``mine`` on this rank), each with its grid groups."""
     # Every rank gathers, even one whose groups are all of one rank: ranks of another
     # pipeline stage may have groups to create, and creating them takes every rank.
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     # Each rank's grid groups follow from its own entry (stages differ in having stacks).
-    everyone = [
+    return [
         _with_grid(theirs, x, everyone) if theirs["grid"] else theirs
         for x, theirs in enumerate(everyone)
     ]
-    mine = everyone[dist.get_rank()]
-    layout: tuple[tuple[int, ...], ...] = ()
-    if grid and expert[0] > 1:  # over this rank's data-parallel world (not other stages')
-        world = _stack_world(dist.get_rank(), everyone)
-        grids = {everyone[r]["expert"]: everyone[r]["grid_unshard"] for r in world}
-        layout = tuple(tuple(grids[c] or ()) for c in range(expert[0]))
-    wanted = sorted(
-        {
-            (kind, r)
-            for theirs in everyone
-            for kind, r in theirs.items()
-            if kind in (*kinds, *grid_kinds) and r
-        }
+
+
+def _expert_layout(everyone: list, expert_size: int) -> tuple[tuple[int, ...], ...]:
+    """The global ranks of this rank's stack world by (expert coordinate, grid rank)."""
+    world = _stack_world(dist.get_rank(), everyone)
+    grids = {everyone[r]["expert"]: everyone[r]["grid_unshard"] for r in world}
+    return tuple(tuple(grids[c] or ()) for c in range(expert_size))
+
+
+def _wanted_groups(everyone: list, kinds: tuple[str, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """Every (kind, ranks) group of several ranks that any rank needs, sorted: one order."""
+    return sorted(
+        {(kind, r) for theirs in everyone for kind, r in theirs.items() if kind in kinds and r}
     )
-    for kind, ranks in wanted:
-        group = dist.new_group(list(ranks))
-        if mine.get(kind) == ranks:
-            result[kind] = group
-    return result, layout
 
 
 def _stack_world(rank: int, everyone: list) -> list[int]:

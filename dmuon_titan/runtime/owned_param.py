@@ -101,37 +101,65 @@ class DedicatedParam:
         #: rank's experts of a stack (EP's Shard(0): the experts it computes with)
         self.unsharded_shape = self.shape
         if self.stacked:
-            experts = self.shape[0]
-            first, last = 0, experts
-            if mesh.expert_size > 1:
-                first, last = stack_pieces(experts, mesh.expert_size)[mesh.expert_rank]
-                self.unsharded_shape = torch.Size((last - first, *self.shape[1:]))
-            start, stop = stack_pieces(last - first, mesh.grid_size)[mesh.grid_rank]
-            #: this rank's experts [start, stop) of the stack, global indices (stacks only)
-            self.piece = (first + start, first + stop)
-            self.owner_replica = self.owner_shard = SHARDED
-            self.holds_weight = self.is_owner = self.piece[1] > self.piece[0]
-            self.holds_source = self.in_owner_row = self.holds_weight
-            self.owner_tp_rank = 0
-            self.owned_shape = torch.Size((self.piece[1] - self.piece[0], *self.shape[1:]))
+            self._place_stack(mesh)
         else:
-            self.owner_replica, self.owner_shard = mesh.owner_coordinates(owner)
-            self.owner_tp_rank = mesh.owner_tp_rank(owner)
-            #: this rank holds the whole master weight (without TP its replica's copy, or the
-            #: owner's own; with TP the owner alone)
-            self.holds_weight = mesh.holds_weight(owner)
-            #: this rank is its replica's stage-1 source (of its tensor-parallel shard)
-            self.holds_source = mesh.holds_source(owner)
-            #: the reduced gradient (of its tensor-parallel shard) ends here
-            self.in_owner_row = mesh.in_owner_row(owner)
-            #: this rank is the global owner: it keeps the optimizer state and steps the matrix
-            self.is_owner = owner == mesh.slot
-            # Zero rows but the same trailing dims where not held, so ``fan_in``-style
-            # initializers and ``ndim`` checks keep working; ``to_empty`` allocates nothing.
-            self.owned_shape = self.shape if self.holds_weight else (0, *self.shape[1:])
+            self._place_matrix(owner, mesh)
         #: shape and elements of ``owned`` (the whole matrix, a stack's piece, or empty)
         self.owned_shape = torch.Size(self.owned_shape)
         self.owned_numel = self.owned_shape.numel()
+        self._init_tensor_parallel(mesh)
+        self.boundary_index = boundary_index
+        #: its Newton–Schulz is shared by the tp ranks of its owner's row (the plan's
+        #: ``tp_ns``; see ``runtime/shared_ns.py``), not run by the owner alone
+        self.shared_ns = shared_ns
+        #: the model's runtime state (a weak reference; set when the state is built)
+        self.state_ref = None
+        # Compute and reduce dtypes; FSDP2's MixedPrecisionPolicy of the nearest fully_shard
+        # ancestor decides them at lazy init.
+        self.param_dtype = param.dtype
+        self.reduce_dtype = param.dtype
+        self._take_slot(module, attr, param)
+        self.unsharded: nn.Parameter | None = None
+        #: with expert parallelism, the expert mesh: the unsharded stack is its Shard(0)
+        self.expert_mesh = mesh.device_meshes[2] if self.stacked else None
+        #: whether this rank had a gradient when the boundary last packed its gradients
+        self.packed_local_grad = False
+
+    def _place_stack(self, mesh: MeshInfo) -> None:
+        """A stack's place on this rank: the experts it computes with and the piece it owns."""
+        experts = self.shape[0]
+        first, last = 0, experts
+        if mesh.expert_size > 1:
+            first, last = stack_pieces(experts, mesh.expert_size)[mesh.expert_rank]
+            self.unsharded_shape = torch.Size((last - first, *self.shape[1:]))
+        start, stop = stack_pieces(last - first, mesh.grid_size)[mesh.grid_rank]
+        #: this rank's experts [start, stop) of the stack, global indices (stacks only)
+        self.piece = (first + start, first + stop)
+        self.owner_replica = self.owner_shard = SHARDED
+        self.holds_weight = self.is_owner = self.piece[1] > self.piece[0]
+        self.holds_source = self.in_owner_row = self.holds_weight
+        self.owner_tp_rank = 0
+        self.owned_shape = torch.Size((self.piece[1] - self.piece[0], *self.shape[1:]))
+
+    def _place_matrix(self, owner: int, mesh: MeshInfo) -> None:
+        """A matrix's place on this rank: its owner's coordinates and what this rank holds."""
+        self.owner_replica, self.owner_shard = mesh.owner_coordinates(owner)
+        self.owner_tp_rank = mesh.owner_tp_rank(owner)
+        #: this rank holds the whole master weight (without TP its replica's copy, or the
+        #: owner's own; with TP the owner alone)
+        self.holds_weight = mesh.holds_weight(owner)
+        #: this rank is its replica's stage-1 source (of its tensor-parallel shard)
+        self.holds_source = mesh.holds_source(owner)
+        #: the reduced gradient (of its tensor-parallel shard) ends here
+        self.in_owner_row = mesh.in_owner_row(owner)
+        #: this rank is the global owner: it keeps the optimizer state and steps the matrix
+        self.is_owner = owner == mesh.slot
+        # Zero rows but the same trailing dims where not held, so ``fan_in``-style
+        # initializers and ``ndim`` checks keep working; ``to_empty`` allocates nothing.
+        self.owned_shape = self.shape if self.holds_weight else (0, *self.shape[1:])
+
+    def _init_tensor_parallel(self, mesh: MeshInfo) -> None:
+        """Tensor-parallel degree, coordinate and mesh (the placement comes later, from TP)."""
         #: tensor parallelism: its degree and this rank's coordinate; the matrix's sharded
         #: dim (0 colwise, 1 rowwise) once ``parallelize_module`` placed it (else ``None``).
         #: Not of a stack: expert parallelism cuts stacks across the tp ranks instead.
@@ -146,16 +174,9 @@ class DedicatedParam:
         #: with TP, on the ranks of the owner's shard column: this tp coordinate's shard of
         #: the master (made at lazy init, filled from the owner)
         self.tp_copy: torch.Tensor | None = None
-        self.boundary_index = boundary_index
-        #: its Newton–Schulz is shared by the tp ranks of its owner's row (the plan's
-        #: ``tp_ns``; see ``runtime/shared_ns.py``), not run by the owner alone
-        self.shared_ns = shared_ns
-        #: the model's runtime state (a weak reference; set when the state is built)
-        self.state_ref = None
-        # Compute and reduce dtypes; FSDP2's MixedPrecisionPolicy of the nearest fully_shard
-        # ancestor decides them at lazy init.
-        self.param_dtype = param.dtype
-        self.reduce_dtype = param.dtype
+
+    def _take_slot(self, module: nn.Module, attr: str, param: nn.Parameter) -> None:
+        """Put ``owned`` in the module's slot (``param`` itself if whole) and register it."""
         if self.owned_shape == self.shape:
             self._owned = param
         else:
@@ -168,11 +189,6 @@ class DedicatedParam:
         setattr(self._owned, DEDICATED_ATTR, self)
         _DEDICATED_SLOTS.setdefault(module, set()).add(attr)
         _SLOT_PARAMS.setdefault(module, {})[attr] = weakref.ref(self)
-        self.unsharded: nn.Parameter | None = None
-        #: with expert parallelism, the expert mesh: the unsharded stack is its Shard(0)
-        self.expert_mesh = mesh.device_meshes[2] if self.stacked else None
-        #: whether this rank had a gradient when the boundary last packed its gradients
-        self.packed_local_grad = False
 
     @property
     def owned(self) -> nn.Parameter:

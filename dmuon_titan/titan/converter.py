@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torchtitan.config import TORCH_DTYPE_MAP
@@ -19,6 +20,9 @@ from ..ops.ns_cost import orthogonalize_flops
 from ..options import options_kwargs
 from .errors import ConfigError
 from .selection import TP_KEPT_WHOLE, describe_selection, muon_predicate
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 #: The train specs whose builders learn DMuon: every LLM torchtitan 0.2.2 ships.
 MODEL_NAMES = ("llama3", "llama4", "qwen3", "deepseek_v3", "gpt_oss")
@@ -230,6 +234,14 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
             return
     except ValueError as err:  # (dedicate_params checks its input before any collective)
         raise ConfigError(f"{_key_of(str(err), parallel_dims)}: {err}") from None
+    _log_plan(model, job_config, options, expert_mesh, stage)
+
+
+def _log_plan(
+    model: nn.Module, job_config, options: dict, expert_mesh: DeviceMesh | None, stage: str
+) -> None:
+    """The dedicated plan's log lines: ranks left without a Muon matrix, then its summary."""
+    cfg = job_config.dmuon
     training = job_config.training
     summary = summarize_plan(
         model,
@@ -239,14 +251,8 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
         ns_steps=cfg.ns_steps,
     )
     loads = summary["ns_flops_per_rank"]
-    idle = [rank for rank, load in enumerate(loads) if load == 0]
     where = f"{stage}: " if stage else ""
-    if idle:
-        logger.warning(
-            f"DMuon: {where}ranks {idle} of {len(loads)} own no Muon matrix "
-            f"({summary['num_params']} matrices): their Newton-Schulz share is zero and the "
-            "others carry it; [dmuon] small_param_numel = 0 gives every matrix its own owner"
-        )
+    _warn_idle_ranks(summary, where)
     # The yardstick of the benchmarks (T_floor): plain NS of every matrix, whatever runs.
     plain = sum(orthogonalize_flops(p["shape"], "plain") for p in summary["params"])
     z = "Z3" if options["reshard_after_forward"] else "Z2"
@@ -266,6 +272,18 @@ def dedicate(model: nn.Module, job_config, parallel_dims, predicate, stage: str 
         f"{summary['bytes_per_rank_per_step']['total'] / 2**20:.1f} MiB per rank per step "
         f"({z}, {_layouts(summary['boundaries'])}); {ns}"
     )
+
+
+def _warn_idle_ranks(summary: dict, where: str) -> None:
+    """Warn when the plan (``summary``) leaves ranks without a Muon matrix to own."""
+    loads = summary["ns_flops_per_rank"]
+    idle = [rank for rank, load in enumerate(loads) if load == 0]
+    if idle:
+        logger.warning(
+            f"DMuon: {where}ranks {idle} of {len(loads)} own no Muon matrix "
+            f"({summary['num_params']} matrices): their Newton-Schulz share is zero and the "
+            "others carry it; [dmuon] small_param_numel = 0 gives every matrix its own owner"
+        )
 
 
 def _key_of(message: str, parallel_dims) -> str:
