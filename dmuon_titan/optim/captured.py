@@ -441,6 +441,15 @@ class CapturedStep:
         """Whether the step may still run as a captured graph (``cuda_graph``, not given up)."""
         return self.cuda_graph and not self.graph.disabled
 
+    # What the model's runtime asks of an attached step (``runtime/step_waits.py``):
+    def wait(self) -> None:
+        """The current stream waits (on the GPU) for the last asynchronous replay."""
+        self.graph.wait()
+
+    def in_flight(self) -> bool:
+        """Whether that replay may still be running."""
+        return self.graph.in_flight()
+
     def steady_paths(self, ctx: MatrixStep, state: dict) -> StepPaths | None:
         """The paths of the usual step: every matrix this rank steps has a gradient, the held
         graph's key is unchanged and :meth:`eligible` holds as it did when the graph was

@@ -140,7 +140,7 @@ class Muon(torch.optim.Optimizer):
         self.captured = CapturedStep(self._dmuon, options.cuda_graph, options.async_step)
         self.step_graph = self.captured.graph
         if self._dmuon is not None:  # (its forward, backward and state dicts wait for it)
-            self._dmuon.attach_optimizer(self)
+            self._dmuon.attach_step(self.captured)
         self.register_step_pre_hook(Muon._before_step)
         self.register_step_post_hook(Muon._after_step)
 

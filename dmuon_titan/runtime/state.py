@@ -81,18 +81,15 @@ class DMuonState:
         self.replicas = ReplicaSync(self)
         #: a gradient clip's factor the owned gradients still owe (:meth:`defer_grad_scale`)
         self.grad_scale = OwedGradScale()
-        #: the DMuon optimizers (``dmuon_titan.Muon``) that step the owned matrices
-        self.optimizers: weakref.WeakSet = weakref.WeakSet()
         #: how many times the gradient-presence flags were read back (a host sync each);
         #: stays 0 while every owner has its own gradient for every matrix it owns
         self.presence_syncs = 0
 
-    def attach_optimizer(self, optimizer) -> None:
-        """An optimizer that steps the owned matrices (``dmuon_titan.Muon``): its captured
-        step is waited for by the forward, backward and state dicts; a clip may leave its
-        factor to its step."""
-        self.waits.steps.add(optimizer.step_graph)
-        self.optimizers.add(optimizer)
+    def attach_step(self, step) -> None:
+        """The captured step of an optimizer that steps the owned matrices
+        (``dmuon_titan.Muon``'s; see ``step_waits.py`` for what is asked of it): the forward,
+        backward and state dicts wait for it, and a clip may leave its factor to it."""
+        self.waits.steps.add(step)
 
     @property
     def step_graphs(self):
@@ -261,14 +258,14 @@ class DMuonState:
         """Record ``factor`` (0-d, on the gradients' device) as owed on the gradients of the
         owned ``masters``, without multiplying them (a factor still owed is settled first),
         where that is allowed: on one rank (the direct path), with one DMuon optimizer
-        stepping the matrices that may capture its step (whose momentum pass then applies
+        attached whose step may be captured (whose momentum pass then applies
         it: one pass over the gradients less), and float32 gradients. Returns whether it was
         recorded (if not, the caller multiplies). See ``grad_scale.py``."""
         self.grad_scale.settle()
-        if not (self.direct and len(self.optimizers) == 1):
+        steps = list(self.waits.steps)
+        if not (self.direct and len(steps) == 1 and getattr(steps[0], "may_capture", False)):
             return False
-        (optimizer,) = self.optimizers
-        return optimizer.may_capture_step and self.grad_scale.owe(factor, masters)
+        return self.grad_scale.owe(factor, masters)
 
     def take_grad_scale(self) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """:meth:`OwedGradScale.take`."""

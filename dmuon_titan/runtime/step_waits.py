@@ -2,8 +2,9 @@
 and the waits the model's readers make for them.
 
 The optimizer is coupled through a narrow protocol: what it attaches (its captured step) has
-``wait()`` (the current stream waits for the last replay, on the GPU) and ``in_flight()``
-(whether that replay may still run). Held weakly: an optimizer dropped for a new one takes
+``wait()`` (the current stream waits for the last replay, on the GPU), ``in_flight()``
+(whether that replay may still run) and ``may_capture`` (whether its step may still be
+captured, which a clip's deferred factor needs). Held weakly: an optimizer dropped for a new one takes
 its step along, unless a replay of it is still waited for (:attr:`StepWaits.held`).
 """
 
