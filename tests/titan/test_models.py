@@ -467,13 +467,13 @@ def _job(mode="dedicated", initial_load_in_hf=False):
     [
         ("deepseek_v3", _job(mode="naive"), 1, '[dmuon] mode = "naive"'),
         ("deepseek_v3", _job(initial_load_in_hf=True), 1, "checkpoint.initial_load_in_hf"),
-        ("gpt_oss", _job(), 2, "mlp1_bias"),
     ],
 )
 def test_what_expert_stacks_do_not_serve_yet_is_one_line(name, job, ep, key):
     """Refused at conversion (before any collective), naming the key: the naive baseline
-    (2-D only), Hugging Face checkpoint conversion, and expert parallelism with expert
-    parameters left on AdamW (gpt_oss's biases)."""
+    (2-D only) and Hugging Face checkpoint conversion. (Expert parameters left on AdamW under
+    expert parallelism, gpt_oss's biases among them, are served since the clip takes one norm
+    per mesh: test_expert_stacks_left_on_adamw_under_expert_parallelism.)"""
     from types import SimpleNamespace
 
     from dmuon_titan.titan.config import ConfigError
