@@ -19,6 +19,7 @@ from .api import (
 from .clip import clip_grad_norm_
 from .ops.newton_schulz import NS_COEFFICIENT_SETS
 from .optim.muon import Muon
+from .qk_clip import QKClip
 from .runtime.init_rng import independent_init
 from .state_dict import (
     get_model_state_dict,
@@ -30,6 +31,7 @@ from .state_dict import (
 __all__ = [
     "NS_COEFFICIENT_SETS",
     "Muon",
+    "QKClip",
     "check_pipeline_schedule",
     "clip_grad_norm_",
     "dedicate_params",

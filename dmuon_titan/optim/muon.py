@@ -141,8 +141,16 @@ class Muon(torch.optim.Optimizer):
         self.step_graph = self.captured.graph
         if self._dmuon is not None:  # (its forward, backward and state dicts wait for it)
             self._dmuon.attach_step(self.captured)
+        #: callables run after each step's updates, before replicas receive the matrices
+        self._update_hooks: list = []
         self.register_step_pre_hook(Muon._before_step)
         self.register_step_post_hook(Muon._after_step)
+
+    def register_update_hook(self, hook) -> None:
+        """Run ``hook()`` after each ``step()``'s updates (a step in flight waited for on the
+        GPU first) and before the updated matrices go to replicas or to the next forward's
+        broadcasts: where a change to the owners' masters (QK-clip's rescale) must happen."""
+        self._update_hooks.append(hook)
 
     def follow_model(self) -> None:
         """Hold the dedicated parameters the model holds now (see :mod:`.follow`): after
@@ -272,7 +280,12 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def _after_step(optimizer: Muon, _args, _kwargs) -> None:
-        """A step post-hook: with replicas, the updated matrices go back to them (async)."""
+        """A step post-hook: the update hooks, then, with replicas, the updated matrices go
+        back to them (async)."""
+        if optimizer._update_hooks:
+            optimizer.step_graph.wait()
+            for hook in optimizer._update_hooks:
+                hook()
         if optimizer._dmuon is not None:
             optimizer._dmuon.after_step()
 

@@ -10,6 +10,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class CausalAttention(nn.Module):
+    """The attention kernel as a child module (torchtitan's ``inner_attention``): q of
+    (batch, heads, seq, head_dim), k and v of (batch, kv_heads, seq, head_dim)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rep = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
         super().__init__()
@@ -19,6 +29,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.inner_attention = CausalAttention()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -26,9 +37,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        rep = q.size(1) // k.size(1)
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.inner_attention(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass, replace
 from unittest import mock
 
@@ -91,6 +92,7 @@ class RunConfig:
     tp_ns: str = "auto"  # dedicate_params(tp_ns=...): who runs NS under TP
     cuda_graph: bool = True  # Muon(cuda_graph=...): one rank on a GPU captures the step
     async_step: bool = True  # Muon(async_step=...): the captured step on a side stream
+    qk_clip: float | None = None  # dmuon.QKClip's threshold (the reference: plain_qk_clip_)
 
 
 #: MoE data: the expert residues (token % 4) each block of rows may use. Whatever the world
@@ -165,6 +167,7 @@ def train_reference(
     adamw = torch.optim.AdamW(
         other_params, lr=cfg.adamw_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay
     )
+    seen = record_queries_keys(model) if cfg.qk_clip is not None else None
     patch = (
         contextlib.nullcontext()
         if ns_precision == "torch"
@@ -179,10 +182,57 @@ def train_reference(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
             muon.step()
             adamw.step()
+            if seen is not None:
+                plain_qk_clip_(model, seen, cfg.qk_clip)
             muon.zero_grad()
             adamw.zero_grad()
     result = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return sliced_to_stacked(result) if sliced else result
+
+
+def record_queries_keys(model: nn.Module) -> dict[str, list]:
+    """attention module name -> the (q, k) its kernel received in training forwards since the
+    last clear."""
+    seen: dict[str, list] = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "inner_attention"):
+            seen[name] = []
+            module.inner_attention.register_forward_pre_hook(
+                lambda m, args, name=name: (
+                    seen[name].append((args[0].detach(), args[1].detach()))
+                    if torch.is_grad_enabled()
+                    else None
+                )
+            )
+    return seen
+
+
+@torch.no_grad()
+def plain_qk_clip_(model: nn.Module, seen: dict[str, list], threshold: float) -> None:
+    """MuonClip written out: per query head the largest causal softmax logit q·k/√d over
+    everything its kernel saw, γ = min(1, τ/S); wq's head rows × √γ, wk's rows of each key
+    head × √(min γ of the query heads it serves). Clears ``seen``."""
+    modules = dict(model.named_modules())
+    for name, pairs in seen.items():
+        attn = modules[name]
+        heads, kv_heads, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        best = torch.full((heads,), -math.inf, dtype=torch.float64)
+        for q, k in pairs:
+            t = q.shape[2]
+            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            for h in range(heads):
+                kh = k[:, h // (heads // kv_heads)]
+                logits = (q[:, h].double() @ kh.double().transpose(-1, -2)) / math.sqrt(d)
+                best[h] = max(best[h], logits[:, causal].max())
+        gamma = [min(1.0, threshold / s) if s > threshold else 1.0 for s in best.tolist()]
+        wq = attn.wq.weight.view(heads, d, -1)
+        wk = attn.wk.weight.view(kv_heads, d, -1)
+        for h in range(heads):
+            wq[h] *= gamma[h] ** 0.5
+        group = heads // kv_heads
+        for g in range(kv_heads):
+            wk[g] *= min(gamma[g * group : (g + 1) * group]) ** 0.5
+        pairs.clear()
 
 
 def initial_state(cfg: RunConfig) -> dict[str, torch.Tensor]:
@@ -315,7 +365,7 @@ def build_dmuon(cfg: RunConfig, world_size: int):
 
 
 def build_optimizer(cfg: RunConfig, model) -> dmuon.Muon:
-    return dmuon.Muon(
+    optimizer = dmuon.Muon(
         model,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
@@ -330,6 +380,9 @@ def build_optimizer(cfg: RunConfig, model) -> dmuon.Muon:
         cuda_graph=cfg.cuda_graph,
         async_step=cfg.async_step,
     )
+    if cfg.qk_clip is not None:
+        dmuon.QKClip(model, optimizer, cfg.qk_clip)  # (the optimizer's update hook holds it)
+    return optimizer
 
 
 def local_slice(cfg: RunConfig, tokens: torch.Tensor, rank: int, world_size: int):

@@ -1,0 +1,86 @@
+"""MuonClip's math (QK-clip, Kimi K2): per-head maximum attention logits and the rescale of
+the query and key weights. Pure functions over tensors (no process group).
+
+A head h whose largest logit S_h = max q_i·k_j·scale over a step's batch exceeds τ gets
+γ_h = τ / S_h; its query rows are multiplied by γ_h^α and the rows of the key head it reads
+by γ^(1−α). Under grouped-query attention one key head serves several query heads, so it
+takes the smallest γ of its group: every head's logit then scales by at most γ_h, and its
+maximum on that batch is at most τ after the clip.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: query rows per chunk of the logit maximum: bounds its memory at
+#: batch x heads x QUERY_CHUNK x keys elements
+QUERY_CHUNK = 256
+
+
+@torch.no_grad()
+def max_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    query_chunk: int = QUERY_CHUNK,
+) -> torch.Tensor:
+    """Per query head, the largest attention logit ``q_i · k_j · scale`` over the batch and
+    every unmasked (query, key) pair, in float32 (float64 inputs stay float64).
+
+    ``q``: (batch, heads, queries, head_dim); ``k``: (batch, kv_heads, keys, head_dim), each
+    key head serving ``heads / kv_heads`` consecutive query heads (as ``enable_gqa`` and
+    ``repeat_interleave`` do). ``causal``: query i sees keys j ≤ i + keys − queries (the
+    bottom-right alignment of a cache; equal lengths: j ≤ i). ``scale`` defaults to
+    1/√head_dim. Exact, chunked over the queries so no (queries, keys) matrix of every head
+    is held at once."""
+    b, heads, n_q, d = q.shape
+    kv_heads, n_k = k.shape[1], k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not divide into {kv_heads} key heads")
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qg = q.to(dtype).reshape(b, kv_heads, heads // kv_heads, n_q, d)
+    kt = k.to(dtype).transpose(-1, -2).unsqueeze(2)  # (b, kv_heads, 1, d, keys)
+    best = torch.full((heads,), -math.inf, dtype=dtype, device=q.device)
+    offset = n_k - n_q
+    for start in range(0, n_q, max(1, query_chunk)):
+        stop = min(n_q, start + max(1, query_chunk))
+        logits = (qg[:, :, :, start:stop] @ kt) * scale  # (b, kv, rep, chunk, keys)
+        if causal:
+            rows = torch.arange(start, stop, device=q.device).unsqueeze(1) + offset
+            hidden = torch.arange(n_k, device=q.device).unsqueeze(0) > rows
+            logits = logits.masked_fill(hidden, -math.inf)
+        chunk_max = logits.amax(dim=(0, 3, 4)).reshape(heads)
+        best = torch.maximum(best, chunk_max)
+    return best
+
+
+def head_scales(maxima: torch.Tensor, threshold: float) -> torch.Tensor:
+    """γ_h = min(1, τ / S_h) per head; heads with no logit seen (−inf) or none above τ keep
+    1."""
+    gamma = torch.ones_like(maxima)
+    over = maxima > threshold
+    return torch.where(over, threshold / torch.where(over, maxima, gamma), gamma)
+
+
+def query_key_scales(
+    gamma: torch.Tensor, n_kv_heads: int, alpha: float = 0.5
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per query head γ_h^α, per key head (min over its group of γ)^(1−α))."""
+    heads = gamma.numel()
+    group_min = gamma.reshape(n_kv_heads, heads // n_kv_heads).amin(dim=1)
+    return gamma.pow(alpha), group_min.pow(1.0 - alpha)
+
+
+@torch.no_grad()
+def scale_head_rows_(weight: torch.Tensor, per_head: torch.Tensor) -> None:
+    """Multiply ``weight``'s rows, ``heads`` equal blocks of them (a projection's output
+    features by head), by ``per_head`` in place, with no host synchronization; blocks with
+    factor 1 keep their values exactly (x · 1 = x)."""
+    heads = per_head.numel()
+    rows = weight.view(heads, weight.shape[0] // heads, *weight.shape[1:])
+    rows.mul_(per_head.to(weight.dtype).view(heads, *([1] * (rows.dim() - 1))))

@@ -1,0 +1,207 @@
+"""MuonClip (QK-clip, Kimi K2) on DMuon's owners: each attention module's per-head maximum
+logit is tracked in the forward, reduced with MAX over the ranks that saw other data, and
+after each optimizer step the owner of every query and key matrix rescales its master rows
+(:mod:`dmuon_titan.ops.qk_clip`) before the next broadcast carries them to the other ranks.
+
+Served: multi-head and grouped-query attention whose module holds ``wq`` and ``wk``
+projections (bias-free) and ``n_heads``, ``n_kv_heads``, ``head_dim``, and calls its kernel
+as a child module (``inner_attention`` or ``sdpa``) with ``(q, k, v)`` shaped (batch, heads,
+sequence, head_dim) after any rotary embedding: torchtitan's llama3 layout. Refused in one
+line: query/key norms (the weights' scale no longer bounds the logits), biases, masks other
+than causal, and tensor-parallel matrices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .ops import qk_clip as math_ops
+from .runtime.owned_param import dedicated_slot_owner
+
+#: names of the attention kernel child module, in the order they are looked for
+KERNEL_NAMES = ("inner_attention", "sdpa")
+#: kernels whose masks the tracker cannot read (block masks, packed sequences)
+UNSERVED_KERNELS = ("FlexAttentionWrapper", "VarlenAttentionWrapper")
+
+
+@dataclasses.dataclass
+class ClippedAttention:
+    """One attention module the clip serves: its name, projections and head layout, and the
+    running maximum logit per query head since the last step."""
+
+    name: str
+    module: nn.Module
+    n_heads: int
+    n_kv_heads: int
+    maxima: torch.Tensor | None = None
+
+    def observe(self, q: torch.Tensor, k: torch.Tensor, causal: bool, scale) -> None:
+        found = math_ops.max_logits(q, k, causal=causal, scale=scale)
+        self.maxima = found if self.maxima is None else torch.maximum(self.maxima, found)
+
+
+def find_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every attention module of ``model`` in the served layout (a
+    ``wq`` and a ``wk`` child and a kernel child), in ``named_modules`` order."""
+    found = []
+    for name, module in model.named_modules():
+        if hasattr(module, "wq") and hasattr(module, "wk") and _kernel_of(module) is not None:
+            found.append((_clean(name), module))
+    return found
+
+
+class QKClip:
+    """QK-clip with threshold τ for the attention modules of ``model`` (a model of
+    :func:`dmuon_titan.dedicate_params`, or a plain one), stepped by ``optimizer``.
+
+    Args:
+        model: the model; its attention modules are found by :func:`find_attention`.
+        optimizer: the :class:`dmuon_titan.Muon` that steps it; the clip runs after each of
+            its steps, before replicas receive the updated matrices.
+        threshold: τ, the largest attention logit a head may keep (Kimi K2: 100).
+        alpha: the query's share of the rescale (the key's is ``1 - alpha``).
+        process_group: the ranks whose maxima are combined with MAX: those that saw other
+            data (default: every rank, when torch.distributed is initialized). Every rank of
+            it must step, since the combination is a collective.
+
+    After each step, :attr:`max_logit` is the largest logit of that step's forwards (before
+    the clip) and :attr:`clipped_heads` the number of heads rescaled (0-dim tensors: reading
+    them synchronizes).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer,
+        threshold: float,
+        *,
+        alpha: float = 0.5,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not threshold > 0 or not math.isfinite(threshold):
+            raise ValueError(f"qk_clip threshold = {threshold!r}: use a positive number")
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"qk_clip alpha = {alpha!r}: use a value in [0, 1]")
+        self.threshold, self.alpha = float(threshold), float(alpha)
+        self.group = process_group
+        self.reduce = dist.is_available() and dist.is_initialized()
+        self.attention = [self._serve(name, m) for name, m in find_attention(model)]
+        if not self.attention:
+            raise ValueError(
+                "qk_clip: the model has no attention module with wq, wk and an "
+                f"{' or '.join(KERNEL_NAMES)} child: nothing to clip"
+            )
+        self.max_logit: torch.Tensor | None = None
+        self.clipped_heads: torch.Tensor | None = None
+        self._hooks = [
+            _kernel_of(a.module).register_forward_pre_hook(self._tracker(a), with_kwargs=True)
+            for a in self.attention
+        ]
+        optimizer.register_update_hook(self.clip)
+
+    def _serve(self, name: str, module: nn.Module) -> ClippedAttention:
+        kernel = _kernel_of(module)
+        problem = None
+        if type(kernel).__name__ in UNSERVED_KERNELS:
+            problem = f"its kernel {type(kernel).__name__} takes masks the clip cannot read"
+        elif any(getattr(module, n, None) is not None for n in ("q_norm", "k_norm")):
+            problem = "its query/key norms make the logits independent of the weights' scale"
+        elif any(getattr(getattr(module, n), "bias", None) is not None for n in ("wq", "wk")):
+            problem = "its wq/wk have biases"
+        heads = getattr(module, "n_heads", None)
+        kv_heads = getattr(module, "n_kv_heads", None) or heads
+        if problem is None and not (isinstance(heads, int) and heads % kv_heads == 0):
+            problem = "it has no n_heads (and n_kv_heads) dividing its projections"
+        for proj in ("wq", "wk"):
+            owner = dedicated_slot_owner(getattr(module, proj), "weight")
+            if problem is not None:
+                break
+            if owner is not None and owner.tp_size > 1:
+                problem = f"its {proj} is tensor-parallel (not served yet)"
+            elif owner is None and hasattr(getattr(module, proj).weight, "device_mesh"):
+                problem = (
+                    f"its {proj} is a DTensor on AdamW; select it for Muon "
+                    "(dedicate_params' predicate)"
+                )
+        if problem is not None:
+            raise ValueError(f"qk_clip: attention module {name!r} is not served: {problem}")
+        return ClippedAttention(name, module, heads, kv_heads)
+
+    def _tracker(self, attention: ClippedAttention):
+        def track(_kernel, args, kwargs):
+            if not torch.is_grad_enabled():  # (evaluation, or activation recomputation
+                return None  # under no_grad: nothing the step's clip needs)
+            q, k = args[0], args[1]
+            attention.observe(q, k, kwargs.get("is_causal", True), kwargs.get("scale"))
+            return None
+
+        return track
+
+    @torch.no_grad()
+    def clip(self) -> None:
+        """Combine this step's maxima and rescale the owned query and key rows (run by the
+        optimizer after its step); the maxima start again empty."""
+        maxima = self._combined_maxima()
+        self.max_logit = maxima.max()
+        self.clipped_heads = (maxima > self.threshold).sum()
+        start = 0
+        for a in self.attention:
+            gamma = math_ops.head_scales(maxima[start : start + a.n_heads], self.threshold)
+            start += a.n_heads
+            a.maxima = None
+            q_scale, k_scale = math_ops.query_key_scales(gamma, a.n_kv_heads, self.alpha)
+            for proj, scale in (("wq", q_scale), ("wk", k_scale)):
+                weight = _stepped_weight(getattr(a.module, proj))
+                if weight is not None:
+                    math_ops.scale_head_rows_(weight, scale)
+
+    def _combined_maxima(self) -> torch.Tensor:
+        """Every served head's maximum logit, in module order (−inf: none seen), combined
+        over ``process_group``; one collective, the same on every rank."""
+        parts = []
+        for a in self.attention:
+            device = a.module.wq.weight.device
+            seen = a.maxima
+            parts.append(  # (float64: γ as exact as the masters it scales)
+                torch.full((a.n_heads,), -math.inf, dtype=torch.float64, device=device)
+                if seen is None
+                else seen.double()
+            )
+        packed = torch.cat(parts)
+        if self.reduce:
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.group)
+        return packed
+
+    def remove(self) -> None:
+        """Stop tracking (the optimizer's hook stays, clipping nothing)."""
+        for hook in self._hooks:
+            hook.remove()
+        self.attention = []
+
+
+def _kernel_of(module: nn.Module) -> nn.Module | None:
+    for name in KERNEL_NAMES:
+        child = getattr(module, name, None)
+        if isinstance(child, nn.Module):
+            return child
+    return None
+
+
+def _stepped_weight(projection: nn.Module) -> torch.Tensor | None:
+    """The tensor this rank updates for ``projection.weight``: a dedicated matrix's master
+    on its owner (None elsewhere), or the plain parameter itself."""
+    owner = dedicated_slot_owner(projection, "weight")
+    if owner is not None:
+        return owner.owned if owner.is_owner else None
+    return projection.weight
+
+
+def _clean(name: str) -> str:
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
