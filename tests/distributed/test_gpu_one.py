@@ -485,3 +485,26 @@ def test_a_dropped_optimizer_leaves_its_step_in_flight_waited_for():
     cfg = RunConfig(ns_dtype=torch.bfloat16, device="cuda", steps=3)
     (out,) = run_ranks(dropped_optimizer, 1, [cfg], backend="nccl")[0]
     assert out == (True, True)
+
+
+def test_qk_clip_after_the_asynchronous_captured_step():
+    """float32, QK-clip at a threshold every step clips: the rescale waits for the captured
+    step replayed on its side stream (``async_step``) and lands before the next forward's
+    broadcasts: captured once and replayed for the rest, the weights equal the eager step's
+    within 1e-6 of the weight change and the single-process float32 reference with the clip
+    written out within 1e-4, and differ from the run without the clip."""
+    cfg = RunConfig(
+        param_dtype=torch.float32, ns_dtype=torch.float32, device="cuda", lr=0.2, qk_clip=0.4
+    )
+    graph, eager, unclipped = run_ranks(
+        graph_and_eager,
+        1,
+        [cfg, with_(cfg, cuda_graph=False), with_(cfg, qk_clip=None)],
+        backend="nccl",
+    )[0]
+    assert graph["captures"] == 1 and graph["replays"] == cfg.steps - 1
+    init = initial_state(cfg)
+    assert max(relative_errors(graph["weights"], eager["weights"], init).values()) <= 1e-6
+    assert max(relative_errors(unclipped["weights"], graph["weights"], init).values()) > 1e-3
+    reference = train_reference(cfg, ns_precision="float32")
+    assert max(relative_errors(graph["weights"], reference, init).values()) <= 1e-4
