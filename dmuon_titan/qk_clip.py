@@ -55,6 +55,47 @@ def find_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def served_attention(model: nn.Module) -> list[ClippedAttention]:
+    """The attention modules of ``model`` the clip serves (:func:`find_attention`); one
+    line naming the first that cannot be served, or saying that there is none, as a
+    ValueError (checked before any collective)."""
+    served = [_serve(name, module) for name, module in find_attention(model)]
+    if not served:
+        raise ValueError(
+            "qk_clip: the model has no attention module with wq, wk and an "
+            f"{' or '.join(KERNEL_NAMES)} child: nothing to clip"
+        )
+    return served
+
+
+def _serve(name: str, module: nn.Module) -> ClippedAttention:
+    kernel = _kernel_of(module)
+    problem = None
+    if type(kernel).__name__ in UNSERVED_KERNELS:
+        problem = f"its kernel {type(kernel).__name__} takes masks the clip cannot read"
+    elif any(getattr(module, n, None) is not None for n in ("q_norm", "k_norm")):
+        problem = "its query/key norms make the logits independent of the weights' scale"
+    elif any(getattr(getattr(module, n), "bias", None) is not None for n in ("wq", "wk")):
+        problem = "its wq/wk have biases"
+    heads = getattr(module, "n_heads", None)
+    kv_heads = getattr(module, "n_kv_heads", None) or heads
+    if problem is None and not (isinstance(heads, int) and heads % kv_heads == 0):
+        problem = "it has no n_heads (and n_kv_heads) dividing its projections"
+    for proj in ("wq", "wk"):
+        owner = dedicated_slot_owner(getattr(module, proj), "weight")
+        if problem is not None:
+            break
+        if owner is not None and owner.tp_size > 1:
+            problem = f"its {proj} is tensor-parallel (not served yet)"
+        elif owner is None and hasattr(getattr(module, proj).weight, "device_mesh"):
+            problem = (
+                f"its {proj} is a DTensor on AdamW; select it for Muon (dedicate_params' predicate)"
+            )
+    if problem is not None:
+        raise ValueError(f"qk_clip: attention module {name!r} is not served: {problem}")
+    return ClippedAttention(name, module, heads, kv_heads)
+
+
 class QKClip:
     """QK-clip with threshold τ for the attention modules of ``model`` (a model of
     :func:`dmuon_titan.dedicate_params`, or a plain one), stepped by ``optimizer``.
@@ -90,12 +131,7 @@ class QKClip:
         self.threshold, self.alpha = float(threshold), float(alpha)
         self.group = process_group
         self.reduce = dist.is_available() and dist.is_initialized()
-        self.attention = [self._serve(name, m) for name, m in find_attention(model)]
-        if not self.attention:
-            raise ValueError(
-                "qk_clip: the model has no attention module with wq, wk and an "
-                f"{' or '.join(KERNEL_NAMES)} child: nothing to clip"
-            )
+        self.attention = served_attention(model)
         self.max_logit: torch.Tensor | None = None
         self.clipped_heads: torch.Tensor | None = None
         self._hooks = [
@@ -103,34 +139,6 @@ class QKClip:
             for a in self.attention
         ]
         optimizer.register_update_hook(self.clip)
-
-    def _serve(self, name: str, module: nn.Module) -> ClippedAttention:
-        kernel = _kernel_of(module)
-        problem = None
-        if type(kernel).__name__ in UNSERVED_KERNELS:
-            problem = f"its kernel {type(kernel).__name__} takes masks the clip cannot read"
-        elif any(getattr(module, n, None) is not None for n in ("q_norm", "k_norm")):
-            problem = "its query/key norms make the logits independent of the weights' scale"
-        elif any(getattr(getattr(module, n), "bias", None) is not None for n in ("wq", "wk")):
-            problem = "its wq/wk have biases"
-        heads = getattr(module, "n_heads", None)
-        kv_heads = getattr(module, "n_kv_heads", None) or heads
-        if problem is None and not (isinstance(heads, int) and heads % kv_heads == 0):
-            problem = "it has no n_heads (and n_kv_heads) dividing its projections"
-        for proj in ("wq", "wk"):
-            owner = dedicated_slot_owner(getattr(module, proj), "weight")
-            if problem is not None:
-                break
-            if owner is not None and owner.tp_size > 1:
-                problem = f"its {proj} is tensor-parallel (not served yet)"
-            elif owner is None and hasattr(getattr(module, proj).weight, "device_mesh"):
-                problem = (
-                    f"its {proj} is a DTensor on AdamW; select it for Muon "
-                    "(dedicate_params' predicate)"
-                )
-        if problem is not None:
-            raise ValueError(f"qk_clip: attention module {name!r} is not served: {problem}")
-        return ClippedAttention(name, module, heads, kv_heads)
 
     def _tracker(self, attention: ClippedAttention):
         def track(_kernel, args, kwargs):

@@ -7,6 +7,7 @@ or command line); a bad value exits with one line naming the key.
 (No ``from __future__ import annotations`` here: torchtitan's merge needs real annotations.)
 """
 
+import math
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import SimpleNamespace
@@ -144,6 +145,11 @@ class DMuon:
     GPU, checkpoint saves on the host. Same results. The logged ``optimizer`` time then ends
     when the side stream's step does. false: replayed on the compute stream."""
 
+    qk_clip_threshold: float = 0.0
+    """MuonClip (QK-clip): after each step, every attention head whose largest logit in that
+    step's forwards exceeded this threshold has its wq and wk rows rescaled to bring it back
+    to the threshold (Kimi K2 uses 100). 0: off."""
+
     def __post_init__(self) -> None:
         validate(self)
 
@@ -216,6 +222,9 @@ def validate(cfg: DMuon) -> None:
             isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
         ):
             raise _fail(key, value, "must be a number >= 0")
+    tau = cfg.qk_clip_threshold
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 <= tau < math.inf:
+        raise _fail("qk_clip_threshold", tau, "must be a number >= 0 (0: off)")
     if not isinstance(cfg.params, list) or not all(isinstance(p, str) for p in cfg.params):
         raise _fail(
             "params", cfg.params, "must be a list of regular expressions ([] for the default)"

@@ -91,6 +91,54 @@ def check_compatibility(job_config, parallel_dims) -> None:
         raise ConfigError("training.enable_cpu_offload = true: not supported with DMuon")
     if job_config.optimizer.early_step_in_backward:
         raise ConfigError("optimizer.early_step_in_backward = true: not supported with DMuon")
+    if cfg.qk_clip_threshold > 0:
+        _check_qk_clip(job_config, parallel_dims)
+
+
+def _check_qk_clip(job_config, parallel_dims) -> None:
+    """What QK-clip does not serve yet: layouts whose ranks hold other heads or other
+    layers (their maxima would need more than one MAX over the data ranks), the naive
+    baseline and compiled blocks."""
+    key = f"[dmuon] qk_clip_threshold = {job_config.dmuon.qk_clip_threshold}"
+    p = job_config.parallelism
+    for name, degree in (
+        ("tensor_parallel_degree", p.tensor_parallel_degree),
+        ("context_parallel_degree", p.context_parallel_degree),
+        ("pipeline_parallel_degree", p.pipeline_parallel_degree),
+    ):
+        if degree > 1:
+            raise ConfigError(
+                f"{key} with parallelism.{name} = {degree}: QK-clip serves data and expert "
+                "parallelism for now; set qk_clip_threshold = 0 or the degree to 1"
+            )
+    if job_config.dmuon.mode == "naive":
+        raise ConfigError(f'{key} with [dmuon] mode = "naive": use mode = "dedicated"')
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        raise ConfigError(
+            f"{key} with compile.enable = true: the logit tracking is not compiled yet; "
+            "compile the loss only, or turn the clip off"
+        )
+
+
+def check_qk_clip_targets(model: nn.Module, predicate) -> list:
+    """The attention modules QK-clip serves in ``model``, each with wq and wk selected for
+    Muon; one config line otherwise."""
+    from ..qk_clip import served_attention
+
+    key = "[dmuon] qk_clip_threshold"
+    try:
+        served = served_attention(model)
+    except ValueError as err:
+        raise ConfigError(f"{key}: {err}") from None
+    for a in served:
+        for proj in ("wq", "wk"):
+            name = f"{a.name}.{proj}.weight"
+            if not predicate(name, getattr(a.module, proj).weight):
+                raise ConfigError(
+                    f"{key}: [dmuon] params leaves {name!r} on AdamW; QK-clip rescales "
+                    "Muon's query and key matrices (select them, or turn the clip off)"
+                )
+    return served
 
 
 def _check_tensor_parallel(job_config) -> None:
@@ -320,6 +368,12 @@ class DMuonConverter:
                 "rank (torchtitan's NoParallel): they stay on AdamW"
             )
         check_stacks(self.job_config, self.parallel_dims, model, predicate)
+        if cfg.qk_clip_threshold > 0:
+            served = check_qk_clip_targets(model, predicate)
+            logger.info(
+                f"DMuon QK-clip: threshold {cfg.qk_clip_threshold:g} on {len(served)} attention "
+                f"modules ({served[0].name}, ...)"
+            )
         # Under pipeline parallelism torchtitan deep-copies this model into one part per
         # stage after the converters ran: each part dedicates its own matrices, over its
         # stage's data-parallel mesh, in parallelize_fn (parallelize.py).

@@ -5,7 +5,8 @@
   full-size stand-ins in the dedicated slots, so it is the model's, equal on every rank and
   equal to an AdamW run's.
 - ``dmuon/optimizer_ms``, ``dmuon/ns_ms`` and ``dmuon/adamw_ms`` join every logged step
-  (read from CUDA events on logging steps only) with a line of their own.
+  (read from CUDA events on logging steps only) with a line of their own; with QK-clip,
+  ``dmuon/max_attention_logit`` (before the clip) and ``dmuon/clipped_heads`` too.
 - A progress line (``step N/M``, elapsed, ETA) on every logged step, and a summary at the last.
 """
 
@@ -68,6 +69,8 @@ class DMuonMetricsProcessor(MetricsProcessor):
         figures = {}
         if timings is not None:
             figures = {f"dmuon/{phase}_ms": ms for phase, ms in timings().items()}
+        clip = getattr(self.optimizers, "clip_figures", lambda: {})()
+        figures.update({f"dmuon/{name}": value for name, value in clip.items()})
         super().log(
             step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **figures}
         )
@@ -76,6 +79,12 @@ class DMuonMetricsProcessor(MetricsProcessor):
                 f"dmuon step: {step:2}  optimizer: {figures.get('dmuon/optimizer_ms', 0):.2f}ms  "
                 f"ns: {figures.get('dmuon/ns_ms', 0):.2f}ms  "
                 f"adamw: {figures.get('dmuon/adamw_ms', 0):.2f}ms"
+                + (
+                    f"  max attention logit: {clip['max_attention_logit']:.2f}  "
+                    f"clipped heads: {clip['clipped_heads']:.0f}"
+                    if clip
+                    else ""
+                )
             )
         self._progress(step, float(global_avg_loss))
 

@@ -16,6 +16,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from ..optim.muon import Muon
 from ..optim.naive import NaiveMuon
 from ..options import options_kwargs
+from ..qk_clip import QKClip
 from ..state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from .converter import job_of
 from .errors import ConfigError
@@ -34,6 +35,13 @@ class DMuonOptimizersContainer(OptimizersContainer):
         else:
             self.optimizers = [Muon(m, **kwargs) for m in model_parts]
         self._validate_length(len(model_parts))
+        tau = dmuon_config.qk_clip_threshold
+        #: one QK-clip per model part (none when [dmuon] qk_clip_threshold = 0)
+        self.qk_clips = (
+            [QKClip(m, o, tau) for m, o in zip(model_parts, self.optimizers, strict=True)]
+            if tau > 0
+            else []
+        )
         all_params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
         self._post_init(all_params, {"lr": kwargs["lr"]})
 
@@ -50,6 +58,17 @@ class DMuonOptimizersContainer(OptimizersContainer):
             mine = get_optimizer_state_dict(model, opt, full=False)
             part = {k: v for k, v in state_dict.items() if k in mine}
             set_optimizer_state_dict(model, opt, part, full=False)
+
+    def clip_figures(self) -> dict[str, float]:
+        """The last step's QK-clip figures (syncs on CUDA): the largest attention logit before
+        the clip and the number of heads rescaled; empty without the clip or before a step."""
+        clips = [c for c in self.qk_clips if c.max_logit is not None]
+        if not clips:
+            return {}
+        return {
+            "max_attention_logit": max(float(c.max_logit) for c in clips),
+            "clipped_heads": float(sum(int(c.clipped_heads) for c in clips)),
+        }
 
     def step_timings(self) -> dict[str, float]:
         """Milliseconds per phase of the last step, summed over model parts (syncs on CUDA)."""

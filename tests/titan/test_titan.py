@@ -350,6 +350,7 @@ BAD_VALUES = [
     (["--dmuon.ns_batch_numel", "-5"], "[dmuon] ns_batch_numel"),
     (["--dmuon.ns_algorithm", "fast"], "[dmuon] ns_algorithm"),
     (["--dmuon.collectives", "ring"], "[dmuon] collectives"),
+    (["--dmuon.qk_clip_threshold", "-1"], "[dmuon] qk_clip_threshold"),
 ]
 
 

@@ -85,6 +85,31 @@ def _dims(**kw):
         ),
         (["--training.enable_cpu_offload"], {}, "training.enable_cpu_offload = true"),
         (["--optimizer.early_step_in_backward"], {}, "optimizer.early_step_in_backward = true"),
+        (
+            ["--dmuon.qk_clip_threshold", "100", "--parallelism.tensor_parallel_degree", "2"],
+            {"tp": 2},
+            "[dmuon] qk_clip_threshold = 100.0 with parallelism.tensor_parallel_degree = 2",
+        ),
+        (
+            ["--dmuon.qk_clip_threshold", "100", "--parallelism.context_parallel_degree", "2"],
+            {},
+            "qk_clip_threshold = 100.0 with parallelism.context_parallel_degree = 2",
+        ),
+        (
+            ["--dmuon.qk_clip_threshold", "100", "--parallelism.pipeline_parallel_degree", "2"],
+            {"pp_enabled": True},
+            "qk_clip_threshold = 100.0 with parallelism.pipeline_parallel_degree = 2",
+        ),
+        (
+            ["--dmuon.qk_clip_threshold", "100", "--dmuon.mode", "naive"],
+            {},
+            'qk_clip_threshold = 100.0 with [dmuon] mode = "naive"',
+        ),
+        (
+            ["--dmuon.qk_clip_threshold", "100", "--compile.enable"],
+            {},
+            "qk_clip_threshold = 100.0 with compile.enable = true",
+        ),
     ],
     ids=[
         "async-tp",
@@ -96,6 +121,11 @@ def _dims(**kw):
         "grouped-mm-float8",
         "cpu-offload",
         "early-step",
+        "qk-clip-tp",
+        "qk-clip-cp",
+        "qk-clip-pp",
+        "qk-clip-naive",
+        "qk-clip-compile",
     ],
 )
 def test_still_refused_in_one_line(override, dims, key):
@@ -119,3 +149,29 @@ def test_pipeline_schedules_served(schedule):
         ]
     )
     check_compatibility(config, _dims(pp_enabled=True))
+
+
+def test_qk_clip_targets_are_muon_matrices_without_norms():
+    """``check_qk_clip_targets`` on meta models: qwen3's query/key norms, and wq left on
+    AdamW by ``[dmuon] params``, are one line naming the key; llama3's 6 attention modules
+    are served."""
+    import torch
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from dmuon_titan.titan.converter import check_qk_clip_targets
+    from dmuon_titan.titan.selection import muon_predicate
+
+    def meta(name):
+        spec = get_train_spec(name)
+        with torch.device("meta"):
+            return spec.model_cls(spec.model_args["debugmodel"])
+
+    llama = meta("llama3")
+    assert len(check_qk_clip_targets(llama, muon_predicate([], llama))) == 6
+    only_wk = muon_predicate([r"layers\.\d+\.attention\.wk\.weight"], llama)
+    with pytest.raises(ConfigError, match=r"\[dmuon\] params leaves 'layers.0.attention.wq"):
+        check_qk_clip_targets(llama, only_wk)
+    qwen = meta("qwen3")
+    with pytest.raises(ConfigError, match="query/key norms") as err:
+        check_qk_clip_targets(qwen, muon_predicate([], qwen))
+    assert "\n" not in str(err.value)

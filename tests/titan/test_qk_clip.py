@@ -1,0 +1,60 @@
+"""QK-clip in torchtitan (``[dmuon] qk_clip_threshold``): the toy config on 2 CPU ranks at a
+learning rate where its attention logits grow (0.65 at step 1, about 2.8 by step 12)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from .test_titan import checkpointed_args, run_ok, tb_losses, tb_scalars, toy_args
+
+STEPS = 12
+TAU = 1.5
+HOT = ["--optimizer.lr", "3e-2", "--lr_scheduler.warmup_steps", "1", "--validation.freq", "100"]
+
+
+def _run(tokenizer_dir, dump, *extra, steps=STEPS):
+    args = toy_args(tokenizer_dir, dump, *HOT, "--training.steps", str(steps), *extra)
+    out = run_ok(2, *args)
+    return out, tb_scalars(dump, "dmuon/max_attention_logit"), tb_losses(dump)
+
+
+def _clipped(tokenizer_dir, dump, *extra, steps=STEPS):
+    return _run(tokenizer_dir, dump, "--dmuon.qk_clip_threshold", str(TAU), *extra, steps=steps)
+
+
+def test_qk_clip_holds_the_logits_and_changes_nothing_else(tokenizer_dir, tmp_path):
+    """Tracking with a threshold no logit reaches changes no bit of training (the losses of
+    the run without the clip) and logs logits growing past 1.8 τ. With τ heads are clipped
+    and the logged maxima stay under 1.5 τ, ending below 0.8 of the unclipped run's: each
+    step's maximum is measured in its forward, before its own clip, on weights that the
+    last clip brought to τ for the last batch and one update then moved (at this learning
+    rate an update raises the toy's logits by up to 30 %)."""
+    _, _, off = _run(tokenizer_dir, tmp_path / "off")
+    out, tracked, same = _run(
+        tokenizer_dir, tmp_path / "tracked", "--dmuon.qk_clip_threshold", "1e9"
+    )
+    assert same == off
+    assert sorted(tracked) == list(range(1, STEPS + 1))
+    assert tracked[1] < TAU and max(tracked.values()) > 1.8 * TAU, tracked
+    out, clipped, losses = _clipped(tokenizer_dir, tmp_path / "clipped")
+    heads = tb_scalars(tmp_path / "clipped", "dmuon/clipped_heads")
+    assert "DMuon QK-clip: threshold 1.5 on 6 attention modules" in out
+    assert max(clipped.values()) <= 1.5 * TAU, clipped
+    assert clipped[STEPS] < 0.8 * tracked[STEPS], (clipped, tracked)
+    assert sum(heads.values()) > 0 and "clipped heads:" in out
+    assert losses[STEPS] < losses[1]
+
+
+@pytest.mark.slow
+def test_qk_clip_resumes_bit_exactly(tokenizer_dir, tmp_path):
+    """Stopped at step 6 and resumed: steps 7-12 (losses and logged maxima) bit-identical to
+    the uninterrupted run."""
+    saving = checkpointed_args(total_steps=STEPS, interval=6, validation_freq=100)
+    _, whole_max, whole = _clipped(tokenizer_dir, tmp_path / "whole", *saving)
+    _clipped(tokenizer_dir, tmp_path / "parts", *saving, steps=6)
+    shutil.rmtree(tmp_path / "parts" / "tb")
+    _, part_max, part = _clipped(tokenizer_dir, tmp_path / "parts", *saving)
+    assert sorted(part) == list(range(7, STEPS + 1)), part
+    assert all(part[s] == whole[s] and part_max[s] == whole_max[s] for s in part)
