@@ -5,7 +5,8 @@
 #               (default 2) of STEPS steps (default 300) with validation every 100 and logs every 10 steps: median training and
 #               validation (forward only) tok/s per run, by scripts/analysis/titan_log_summary.py;
 #               VARIANTS (default "adamw dmuon") may add dmuon_sync (async_step off: the
-#               captured step on the compute stream) and dmuon_auto (ns_algorithm "auto"); a
+#               captured step on the compute stream), dmuon_auto (ns_algorithm "auto") and
+#               dmuon_clip (QK-clip at threshold 100: its tracking and clip cost); a
 #               variant ending in _w (adamw_w, dmuon_auto_w, ...) runs with one data-loader
 #               worker (num_workers 1, prefetch_factor 4) for training and one persistent
 #               worker for validation, so that one call compares the loop with and without
@@ -66,6 +67,7 @@ titan() {  # titan NAME VARIANT [overrides...]: VARIANT adamw, dmuon, dmuon_sync
   case $opt in
     dmuon_sync) opt=dmuon extra+=(--dmuon.no_async_step) ;;
     dmuon_auto) opt=dmuon extra+=(--dmuon.ns_algorithm auto) ;;
+    dmuon_clip) opt=dmuon extra+=(--dmuon.qk_clip_threshold 100) ;;
   esac
   echo "$name: configs/llm170m_${opt}.toml $* ${extra[*]} ${TITAN_ARGS:-}" >>"$OUT/commands.txt"
   ${PIN:+taskset -c "$PIN"} torchrun --standalone --nproc_per_node=1 --role rank --tee 3 \
