@@ -137,29 +137,26 @@ def _trains(tokenizer_dir, tmp_path, name, flavor, steps=10, *extra):
 LOAD_BALANCED = ("llama4", "deepseek_v3")
 
 
+#: validation on, at the first and last steps (2 batches), on every model: torchtitan 0.2.2's validator
+#: hands SDPA models masks llama4 refuses, and deepseek_v3's train spec has none
+VALIDATED = ["--validation.enable", "--validation.freq", "10", "--validation.steps", "2"]
+VALIDATED += ["--validation.seq_len", "64"]
+
+
 @pytest.mark.parametrize("name, flavor", MODELS)
 def test_model_trains_with_dmuon(tokenizer_dir, tmp_path, name, flavor):
+    """10 steps with falling loss, validated at steps 1 and 10 with finite losses."""
     save = ["--checkpoint.enable", "--checkpoint.interval", "10"] if name in LOAD_BALANCED else []
-    out = _trains(tokenizer_dir, tmp_path, name, flavor, 10, *save)
+    out = _trains(tokenizer_dir, tmp_path, name, flavor, 10, *save, *VALIDATED)
+    validation = tb_scalars(tmp_path / f"{name}-{flavor}", "validation_metrics/loss")
+    assert sorted(validation) == [1, 10], validation
+    assert all(math.isfinite(v) and v > 0 for v in validation.values()), validation
     if flavor.startswith("debugmodel_moe") or name in LOAD_BALANCED:
         assert "expert stacks:" in out
     if name in LOAD_BALANCED:  # the spec's expert-bias update runs with DMuon's optimizer
         saved = read_checkpoint(tmp_path / f"{name}-{flavor}" / "checkpoint" / "step-10", tmp_path)
         biases = [v for k, v in saved.items() if k.endswith("moe.expert_bias")]
         assert biases and all(b.abs().sum() > 0 for b in biases), name
-
-
-@pytest.mark.parametrize("name", ["llama4", "deepseek_v3"])
-def test_validation_runs_for_every_model(tokenizer_dir, tmp_path, name):
-    """The toy config's defaults with validation on (torchtitan 0.2.2's validator hands SDPA
-    models masks llama4 refuses, and deepseek_v3's train spec has none): 2 steps, validated
-    at steps 1 and 2 (4 batches each), finite validation losses."""
-    dump = tmp_path / name
-    args = ["--model.name", name, "--model.flavor", "debugmodel", "--training.steps", "2"]
-    run_ok(2, *toy_args(tokenizer_dir, dump, *args, "--validation.freq", "2"))
-    losses = tb_scalars(dump, "validation_metrics/loss")
-    assert sorted(losses) == [1, 2], losses
-    assert all(math.isfinite(v) and v > 0 for v in losses.values()), losses
 
 
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
@@ -177,7 +174,9 @@ def test_moe_model_trains_with_expert_parallelism(tokenizer_dir, tmp_path, name,
     "params, muon_stacks",
     [
         (r"layers\.\d+\.attention\.wq\.weight", False),
-        (r"layers\.\d+\.moe\.router\.gate\.weight", False),
+        pytest.param(  # (the same path as wq alone: every stack on AdamW)
+            r"layers\.\d+\.moe\.router\.gate\.weight", False, marks=pytest.mark.slow
+        ),
         (r"layers\.\d+\.(attention\.wq\.weight|moe\.experts\.w[13])", True),  # w2 on AdamW
     ],
 )
