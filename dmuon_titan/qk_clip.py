@@ -141,9 +141,11 @@ class QKClip:
         optimizer.register_update_hook(self.clip)
 
     def _tracker(self, attention: ClippedAttention):
-        def track(_kernel, args, kwargs):
-            if not torch.is_grad_enabled():  # (evaluation, or activation recomputation
-                return None  # under no_grad: nothing the step's clip needs)
+        def track(kernel, args, kwargs):
+            # evaluation is not the step's; a recomputation in the backward (activation
+            # checkpointing) sees the forward's q and k again
+            if not kernel.training or torch._C._current_graph_task_id() != -1:
+                return None
             q, k = args[0], args[1]
             attention.observe(q, k, kwargs.get("is_causal", True), kwargs.get("scale"))
             return None

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from . import max_logit
+
 #: query rows per chunk of the logit maximum: bounds its memory at
 #: batch x heads x QUERY_CHUNK x keys elements
 QUERY_CHUNK = 256
@@ -35,24 +37,31 @@ def max_logits(
     key head serving ``heads / kv_heads`` consecutive query heads (as ``enable_gqa`` and
     ``repeat_interleave`` do). ``causal``: query i sees keys j ≤ i + keys − queries (the
     bottom-right alignment of a cache; equal lengths: j ≤ i). ``scale`` defaults to
-    1/√head_dim. Exact, chunked over the queries so no (queries, keys) matrix of every head
-    is held at once."""
+    1/√head_dim. Exact: on CUDA in half precision, the one-pass kernel of
+    :mod:`dmuon_titan.ops.max_logit` (fp32 accumulation, as flash attention); elsewhere
+    chunked over the queries in float32 (float64 stays float64), so no (queries, keys) matrix
+    of every head is held at once, and causal chunks read only the keys they see."""
     b, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not divide into {kv_heads} key heads")
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if max_logit.runs_for(q, k):
+        return max_logit.max_logits(q, k, causal=causal, scale=scale)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qg = q.to(dtype).reshape(b, kv_heads, heads // kv_heads, n_q, d)
     kt = k.to(dtype).transpose(-1, -2).unsqueeze(2)  # (b, kv_heads, 1, d, keys)
     best = torch.full((heads,), -math.inf, dtype=dtype, device=q.device)
     offset = n_k - n_q
     for start in range(0, n_q, max(1, query_chunk)):
         stop = min(n_q, start + max(1, query_chunk))
-        logits = (qg[:, :, :, start:stop] @ kt) * scale  # (b, kv, rep, chunk, keys)
+        seen = max(0, min(n_k, stop + offset)) if causal else n_k  # keys the chunk may see
+        if seen == 0:
+            continue
+        logits = (qg[:, :, :, start:stop] @ kt[..., :seen]) * scale  # (b, kv, rep, chunk, seen)
         if causal:
             rows = torch.arange(start, stop, device=q.device).unsqueeze(1) + offset
-            hidden = torch.arange(n_k, device=q.device).unsqueeze(0) > rows
+            hidden = torch.arange(seen, device=q.device).unsqueeze(0) > rows
             logits = logits.masked_fill(hidden, -math.inf)
         chunk_max = logits.amax(dim=(0, 3, 4)).reshape(heads)
         best = torch.maximum(best, chunk_max)
