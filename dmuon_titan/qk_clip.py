@@ -6,9 +6,10 @@ after each optimizer step the owner of every query and key matrix rescales its m
 Served: multi-head and grouped-query attention whose module holds ``wq`` and ``wk``
 projections (bias-free) and ``n_heads``, ``n_kv_heads``, ``head_dim``, and calls its kernel
 as a child module (``inner_attention`` or ``sdpa``) with ``(q, k, v)`` shaped (batch, heads,
-sequence, head_dim) after any rotary embedding: torchtitan's llama3 layout. Refused in one
-line: query/key norms (the weights' scale no longer bounds the logits), biases, masks other
-than causal, and tensor-parallel matrices.
+sequence, head_dim) after any rotary embedding: torchtitan's llama3 layout. Under tensor
+parallelism (wq and wk colwise, whole heads per rank) each rank tracks its heads and the MAX
+places them. Refused in one line: query/key norms (the weights' scale no longer bounds the
+logits), biases, masks other than causal, rowwise or head-splitting tensor parallelism.
 """
 
 from __future__ import annotations
@@ -38,11 +39,30 @@ class ClippedAttention:
     module: nn.Module
     n_heads: int
     n_kv_heads: int
+    #: under tensor parallelism this rank's kernel sees query heads [head_offset,
+    #: head_offset + local_heads) of the n_heads (colwise wq and wk: whole heads per rank)
+    head_offset: int = 0
+    local_heads: int = 0
     maxima: torch.Tensor | None = None
 
     def observe(self, q: torch.Tensor, k: torch.Tensor, causal: bool, scale) -> None:
+        if q.shape[1] != self.local_heads:
+            raise ValueError(
+                f"qk_clip: attention module {self.name!r} ran with {q.shape[1]} query heads "
+                f"where its layout gives this rank {self.local_heads}"
+            )
         found = math_ops.max_logits(q, k, causal=causal, scale=scale)
         self.maxima = found if self.maxima is None else torch.maximum(self.maxima, found)
+
+    def all_heads(self) -> torch.Tensor:
+        """This rank's maxima in the places of every head (float64; −inf: not seen here)."""
+        device = self.module.wq.weight.device
+        full = torch.full((self.n_heads,), -math.inf, dtype=torch.float64, device=device)
+        if self.maxima is not None:
+            if self.maxima.is_cuda:  # (made on the compute stream, read on this one)
+                self.maxima.record_stream(torch.cuda.current_stream(self.maxima.device))
+            full[self.head_offset : self.head_offset + self.local_heads] = self.maxima
+        return full
 
 
 def find_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -81,19 +101,37 @@ def _serve(name: str, module: nn.Module) -> ClippedAttention:
     kv_heads = getattr(module, "n_kv_heads", None) or heads
     if problem is None and not (isinstance(heads, int) and heads % kv_heads == 0):
         problem = "it has no n_heads (and n_kv_heads) dividing its projections"
+    tp = (1, 0)
     for proj in ("wq", "wk"):
         owner = dedicated_slot_owner(getattr(module, proj), "weight")
         if problem is not None:
             break
         if owner is not None and owner.tp_size > 1:
-            problem = f"its {proj} is tensor-parallel (not served yet)"
+            problem = _tensor_parallel_problem(proj, owner, heads, kv_heads)
+            tp = (owner.tp_size, owner.tp_rank)
         elif owner is None and hasattr(getattr(module, proj).weight, "device_mesh"):
             problem = (
                 f"its {proj} is a DTensor on AdamW; select it for Muon (dedicate_params' predicate)"
             )
     if problem is not None:
         raise ValueError(f"qk_clip: attention module {name!r} is not served: {problem}")
-    return ClippedAttention(name, module, heads, kv_heads)
+    local = heads // tp[0]
+    return ClippedAttention(name, module, heads, kv_heads, tp[1] * local, local)
+
+
+def _tensor_parallel_problem(proj: str, owner, heads: int, kv_heads: int) -> str | None:
+    """What keeps a tensor-parallel wq or wk from being served: not (yet) placed colwise, or
+    heads that the degree does not divide."""
+    if owner.tp_dim is None:
+        return f"its {proj} is not placed yet; build QKClip after parallelize_module"
+    if owner.tp_dim != 0:
+        return f"its {proj} is rowwise tensor-parallel (heads are its output rows: colwise)"
+    if heads % owner.tp_size or kv_heads % owner.tp_size:
+        return (
+            f"the tensor-parallel degree {owner.tp_size} does not divide its {heads} query "
+            f"and {kv_heads} key heads"
+        )
+    return None
 
 
 class QKClip:
@@ -107,12 +145,13 @@ class QKClip:
         threshold: τ, the largest attention logit a head may keep (Kimi K2: 100).
         alpha: the query's share of the rescale (the key's is ``1 - alpha``).
         process_group: the ranks whose maxima are combined with MAX: those that saw other
-            data (default: every rank, when torch.distributed is initialized). Every rank of
-            it must step, since the combination is a collective.
+            data or hold other heads of the same layers (tensor parallelism); default: every
+            rank, when torch.distributed is initialized. Every rank of it must step, since
+            the combination is a collective.
 
     After each step, :attr:`max_logit` is the largest logit of that step's forwards (before
-    the clip) and :attr:`clipped_heads` the number of heads rescaled (0-dim tensors: reading
-    them synchronizes).
+    the clip) and :attr:`clipped_heads` the number of heads rescaled (0-dim tensors, written
+    behind an asynchronous step: read them with :meth:`figures`).
     """
 
     def __init__(
@@ -132,6 +171,8 @@ class QKClip:
         self.group = process_group
         self.reduce = dist.is_available() and dist.is_initialized()
         self.attention = served_attention(model)
+        #: the wait for the optimizer's step in flight (the figures are written behind it)
+        self._wait_for_step = getattr(getattr(optimizer, "step_graph", None), "wait", None)
         self.max_logit: torch.Tensor | None = None
         self.clipped_heads: torch.Tensor | None = None
         self._hooks = [
@@ -172,20 +213,22 @@ class QKClip:
 
     def _combined_maxima(self) -> torch.Tensor:
         """Every served head's maximum logit, in module order (−inf: none seen), combined
-        over ``process_group``; one collective, the same on every rank."""
-        parts = []
-        for a in self.attention:
-            device = a.module.wq.weight.device
-            seen = a.maxima
-            parts.append(  # (float64: γ as exact as the masters it scales)
-                torch.full((a.n_heads,), -math.inf, dtype=torch.float64, device=device)
-                if seen is None
-                else seen.double()
-            )
-        packed = torch.cat(parts)
+        over ``process_group`` (under tensor parallelism its tp ranks' heads too, each in
+        its place); one collective, the same on every rank."""
+        # (float64: γ as exact as the masters it scales)
+        packed = torch.cat([a.all_heads() for a in self.attention])
         if self.reduce:
             dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.group)
         return packed
+
+    def figures(self) -> tuple[float, int] | None:
+        """(largest logit before the clip, heads rescaled) of the last step, read on the host
+        (one synchronization); None before a step."""
+        if self.max_logit is None:
+            return None
+        if self._wait_for_step is not None:
+            self._wait_for_step()
+        return float(self.max_logit), int(self.clipped_heads)
 
     def remove(self) -> None:
         """Stop tracking (the optimizer's hook stays, clipping nothing)."""

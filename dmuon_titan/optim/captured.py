@@ -62,8 +62,9 @@ current-stream replay's, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -352,6 +353,23 @@ class MuonStepGraph:
         with torch.cuda.stream(stream):
             self.graph.replay()
         self.done.record(stream)
+
+    @contextlib.contextmanager
+    def following(self) -> Iterator[None]:
+        """Where work that must follow the last step's updates runs (Muon's update hooks):
+        once replays run asynchronously, on their side stream behind the last replay and
+        everything queued on the current stream, with the replay's event recorded again
+        after it, so the waits that cover the replay (the next forward's) cover it too;
+        before that, on the current stream, in order."""
+        if self.done is None:
+            yield
+            return
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            yield
+        self.done.record(stream)
+        self._waited = None  # (a stream that waited for the replay has not for this)
 
     def _drain(self) -> None:
         """Wait on the host for the side stream: before a graph it runs is destroyed, or the

@@ -147,9 +147,12 @@ class Muon(torch.optim.Optimizer):
         self.register_step_post_hook(Muon._after_step)
 
     def register_update_hook(self, hook) -> None:
-        """Run ``hook()`` after each ``step()``'s updates (a step in flight waited for on the
-        GPU first) and before the updated matrices go to replicas or to the next forward's
-        broadcasts: where a change to the owners' masters (QK-clip's rescale) must happen."""
+        """Run ``hook()`` after each ``step()``'s updates and before the updated matrices go
+        to replicas or to the next forward's broadcasts: where a change to the owners'
+        masters (QK-clip's rescale) must happen. Its GPU work is queued behind the step: on
+        the asynchronous step's side stream once replays run there (a tensor it reads from
+        the compute stream and then drops needs ``record_stream``), else on the current
+        stream."""
         self._update_hooks.append(hook)
 
     def follow_model(self) -> None:
@@ -283,9 +286,9 @@ class Muon(torch.optim.Optimizer):
         """A step post-hook: the update hooks, then, with replicas, the updated matrices go
         back to them (async)."""
         if optimizer._update_hooks:
-            optimizer.step_graph.wait()
-            for hook in optimizer._update_hooks:
-                hook()
+            with optimizer.step_graph.following():  # (an async step's stream: still overlapped)
+                for hook in optimizer._update_hooks:
+                    hook()
         if optimizer._dmuon is not None:
             optimizer._dmuon.after_step()
 

@@ -62,12 +62,12 @@ class DMuonOptimizersContainer(OptimizersContainer):
     def clip_figures(self) -> dict[str, float]:
         """The last step's QK-clip figures (syncs on CUDA): the largest attention logit before
         the clip and the number of heads rescaled; empty without the clip or before a step."""
-        clips = [c for c in self.qk_clips if c.max_logit is not None]
-        if not clips:
+        figures = [f for f in (c.figures() for c in self.qk_clips) if f is not None]
+        if not figures:
             return {}
         return {
-            "max_attention_logit": max(float(c.max_logit) for c in clips),
-            "clipped_heads": float(sum(int(c.clipped_heads) for c in clips)),
+            "max_attention_logit": max(f[0] for f in figures),
+            "clipped_heads": float(sum(f[1] for f in figures)),
         }
 
     def step_timings(self) -> dict[str, float]:

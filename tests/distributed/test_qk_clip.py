@@ -2,6 +2,7 @@
 ranks against the single-process reference (``torch.optim.Muon`` + AdamW, then the clip
 written plainly: ``training.plain_qk_clip_``) at a threshold every step clips."""
 
+import contextlib
 import math
 
 import pytest
@@ -87,14 +88,54 @@ def test_head_scales():
     assert ops.head_scales(maxima, 2.0).tolist() == [1.0, 1.0, 1.0, 0.25]
 
 
+#: the torch.distributed calls whose sequence every rank of a group must issue alike
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+)
+
+
+@contextlib.contextmanager
+def _recorded_collectives(log: list):
+    """Append (group's ranks, call, elements, dtype, reduce op) of every collective issued
+    inside."""
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def recording(name):
+        def call(tensor, *args, **kwargs):
+            op = kwargs.get("op", args[0] if name == "all_reduce" and args else None)
+            group = kwargs.get("group")
+            ranks = tuple(
+                dist.get_process_group_ranks(group) if group else range(dist.get_world_size())
+            )
+            numel = None if name == "all_to_all_single" else tensor.numel()  # (uneven splits)
+            log.append((ranks, name, numel, str(tensor.dtype), str(op)))
+            return originals[name](tensor, *args, **kwargs)
+
+        return call
+
+    try:
+        for name in COLLECTIVES:
+            setattr(dist, name, recording(name))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def _clipped_run(rank, world_size, cfg):
     model, optimizer = build_dmuon(cfg, world_size)
     (clip,) = [h.__self__ for h in optimizer._update_hooks]
-    counts = []
-    for step in range(cfg.steps):
-        train_step(cfg, model, optimizer, step, rank, world_size)
-        counts.append(int(clip.clipped_heads))
-    return {"weights": dmuon.get_model_state_dict(model), "clipped": counts}
+    counts, issued = [], []
+    with _recorded_collectives(issued):
+        for step in range(cfg.steps):
+            train_step(cfg, model, optimizer, step, rank, world_size)
+            counts.append(clip.figures()[1])
+    return {"weights": dmuon.get_model_state_dict(model), "clipped": counts, "issued": issued}
 
 
 def _clipped_suite(rank, world_size, configs):
@@ -123,18 +164,30 @@ def clip_reference():
             ],
         ),
         (3, [CLIP]),
-        (4, [with_(CLIP, replicate=2)]),
+        (4, [with_(CLIP, replicate=2), with_(CLIP, tp=2)]),
     ],
-    ids=["one_rank", "fsdp2_z3_z2_accumulated", "fsdp3", "hsdp2x2"],
+    ids=["one_rank", "fsdp2_z3_z2_accumulated", "fsdp3", "hsdp2x2_tp2xdp2"],
 )
 def test_qk_clip_equals_the_reference(clip_reference, world_size, configs):
+    """Also: the ranks of every process group issue the same sequence of collectives on it,
+    the clip's MAX of every head's maximum (4 heads a layer, float64) once a step over all
+    ranks among them. tp 2 x dp 2: each rank's kernel sees 2 of the 4 query heads and 1 of
+    the 2 key heads (grouped-query)."""
     reference, unclipped, init = clip_reference
     # (the clip changes the run: the comparison is not of two unclipped runs)
     assert max(relative_errors(unclipped, reference, init).values()) > 1e-3
     results = run_ranks(_clipped_suite, world_size, configs, timeout=300)
+    heads = 4 * sum(k.endswith("wq.weight") for k in init)  # (4 query heads a layer)
+    clip_max = ("all_reduce", heads, "torch.float64", str(dist.ReduceOp.MAX))
     for i, (cfg, result) in enumerate(zip(configs, results[0], strict=True)):
         assert all(c > 0 for c in result["clipped"]), result["clipped"]
         assert [r[i]["clipped"] for r in results] == [result["clipped"]] * world_size
+        issued = [r[i]["issued"] for r in results]
+        for group in {entry[0] for log in issued for entry in log}:
+            per_rank = [[e for e in issued[rank] if e[0] == group] for rank in group]
+            assert per_rank == [per_rank[0]] * len(group), group
+        everyone = tuple(range(world_size))
+        assert issued[0].count((everyone, *clip_max)) == cfg.steps, issued[0]
         errors = relative_errors(result["weights"], reference, init)
         assert max(errors.values()) <= 1e-10, (cfg, sorted(errors.items(), key=lambda e: -e[1])[:3])
 
@@ -179,3 +232,23 @@ def test_what_the_clip_does_not_serve_is_one_line(attention, message):
 def test_bad_clip_options_are_one_line(threshold, alpha):
     with pytest.raises(ValueError, match="threshold|alpha"):
         dmuon.QKClip(torch.nn.Sequential(_Attention()), _Stub(), threshold, alpha=alpha)
+
+
+@pytest.mark.parametrize(
+    "tp_dim, heads, kv_heads, message",
+    [
+        (None, 4, 2, "build QKClip after parallelize_module"),
+        (1, 4, 2, "rowwise"),
+        (0, 4, 1, "does not divide its 4 query and 1 key heads"),
+        (0, 4, 2, None),
+    ],
+)
+def test_tensor_parallel_layouts_served_or_one_line(tp_dim, heads, kv_heads, message):
+    """Colwise wq/wk whose heads the degree divides are served; the rest is named."""
+    from types import SimpleNamespace
+
+    from dmuon_titan.qk_clip import _tensor_parallel_problem
+
+    owner = SimpleNamespace(tp_dim=tp_dim, tp_size=2)
+    problem = _tensor_parallel_problem("wk", owner, heads, kv_heads)
+    assert problem is None if message is None else message in problem

@@ -14,14 +14,15 @@ TAU = 1.5
 HOT = ["--optimizer.lr", "3e-2", "--lr_scheduler.warmup_steps", "1", "--validation.freq", "100"]
 
 
-def _run(tokenizer_dir, dump, *extra, steps=STEPS):
+def _run(tokenizer_dir, dump, *extra, steps=STEPS, ranks=2):
     args = toy_args(tokenizer_dir, dump, *HOT, "--training.steps", str(steps), *extra)
-    out = run_ok(2, *args)
+    out = run_ok(ranks, *args)
     return out, tb_scalars(dump, "dmuon/max_attention_logit"), tb_losses(dump)
 
 
-def _clipped(tokenizer_dir, dump, *extra, steps=STEPS):
-    return _run(tokenizer_dir, dump, "--dmuon.qk_clip_threshold", str(TAU), *extra, steps=steps)
+def _clipped(tokenizer_dir, dump, *extra, steps=STEPS, ranks=2):
+    clip = ("--dmuon.qk_clip_threshold", str(TAU))
+    return _run(tokenizer_dir, dump, *clip, *extra, steps=steps, ranks=ranks)
 
 
 def test_qk_clip_holds_the_logits_and_changes_nothing_else(tokenizer_dir, tmp_path):
@@ -45,6 +46,25 @@ def test_qk_clip_holds_the_logits_and_changes_nothing_else(tokenizer_dir, tmp_pa
     assert clipped[STEPS] < 0.8 * tracked[STEPS], (clipped, tracked)
     assert sum(heads.values()) > 0 and "clipped heads:" in out
     assert losses[STEPS] < losses[1]
+
+
+def test_qk_clip_under_tensor_parallelism(tokenizer_dir, tmp_path):
+    """tp 2 on 2 ranks, 4 sequences a step as the data-parallel runs above (each rank tracks
+    half of every layer's heads, the owners rescale whole masters; exactness is
+    tests/distributed/test_qk_clip.py's at tp 2 x dp 2): with the clip every attention module
+    is served, heads are clipped, and the last maximum ends below 0.8 of the run with
+    tracking alone (which grows past 1.8 τ)."""
+    tp_args = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]
+    _, tracked, _ = _run(
+        tokenizer_dir, tmp_path / "tracked", "--dmuon.qk_clip_threshold", "1e9", *tp_args
+    )
+    out, clipped, losses = _clipped(tokenizer_dir, tmp_path / "tp", *tp_args)
+    heads = tb_scalars(tmp_path / "tp", "dmuon/clipped_heads")
+    assert "DMuon QK-clip: threshold 1.5 on 6 attention modules" in out
+    assert sorted(clipped) == list(range(1, STEPS + 1))
+    assert max(tracked.values()) > 1.8 * TAU, tracked
+    assert clipped[STEPS] < 0.8 * tracked[STEPS], (clipped, tracked)
+    assert sum(heads.values()) > 0 and losses[STEPS] < losses[1]
 
 
 @pytest.mark.slow
