@@ -32,8 +32,8 @@ UNSERVED_KERNELS = ("FlexAttentionWrapper", "VarlenAttentionWrapper")
 
 @dataclasses.dataclass
 class ClippedAttention:
-    """One attention module the clip serves: its name, projections and head layout, and the
-    running maximum logit per query head since the last step."""
+    """One attention module the clip serves: its name, projections and head layout, and
+    where its heads sit in the clip's packed vectors of every served head."""
 
     name: str
     module: nn.Module
@@ -43,26 +43,23 @@ class ClippedAttention:
     #: head_offset + local_heads) of the n_heads (colwise wq and wk: whole heads per rank)
     head_offset: int = 0
     local_heads: int = 0
-    maxima: torch.Tensor | None = None
+    #: its first query head's and first key head's index in the packed vectors
+    start: int = 0
+    kv_start: int = 0
 
-    def observe(self, q: torch.Tensor, k: torch.Tensor, causal: bool, scale) -> None:
-        if q.shape[1] != self.local_heads:
-            raise ValueError(
-                f"qk_clip: attention module {self.name!r} ran with {q.shape[1]} query heads "
-                f"where its layout gives this rank {self.local_heads}"
-            )
-        found = math_ops.max_logits(q, k, causal=causal, scale=scale)
-        self.maxima = found if self.maxima is None else torch.maximum(self.maxima, found)
+    @property
+    def query_heads(self) -> slice:
+        return slice(self.start, self.start + self.n_heads)
 
-    def all_heads(self) -> torch.Tensor:
-        """This rank's maxima in the places of every head (float64; −inf: not seen here)."""
-        device = self.module.wq.weight.device
-        full = torch.full((self.n_heads,), -math.inf, dtype=torch.float64, device=device)
-        if self.maxima is not None:
-            if self.maxima.is_cuda:  # (made on the compute stream, read on this one)
-                self.maxima.record_stream(torch.cuda.current_stream(self.maxima.device))
-            full[self.head_offset : self.head_offset + self.local_heads] = self.maxima
-        return full
+    @property
+    def key_heads(self) -> slice:
+        return slice(self.kv_start, self.kv_start + self.n_kv_heads)
+
+    @property
+    def tracked_heads(self) -> slice:
+        """The packed places of the query heads this rank's kernel sees."""
+        first = self.start + self.head_offset
+        return slice(first, first + self.local_heads)
 
 
 def find_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -80,6 +77,10 @@ def served_attention(model: nn.Module) -> list[ClippedAttention]:
     line naming the first that cannot be served, or saying that there is none, as a
     ValueError (checked before any collective)."""
     served = [_serve(name, module) for name, module in find_attention(model)]
+    start = kv_start = 0
+    for attention in served:
+        attention.start, attention.kv_start = start, kv_start
+        start, kv_start = start + attention.n_heads, kv_start + attention.n_kv_heads
     if not served:
         raise ValueError(
             "qk_clip: the model has no attention module with wq, wk and an "
@@ -171,6 +172,10 @@ class QKClip:
         self.group = process_group
         self.reduce = dist.is_available() and dist.is_initialized()
         self.attention = served_attention(model)
+        self.heads = sum(a.n_heads for a in self.attention)
+        #: the step's running maximum logit of every served head, packed (−inf: not seen
+        #: yet); made at the step's first tracked forward, handed to the clip after it
+        self._maxima: torch.Tensor | None = None
         #: the wait for the optimizer's step in flight (the figures are written behind it)
         self._wait_for_step = getattr(getattr(optimizer, "step_graph", None), "wait", None)
         self.max_logit: torch.Tensor | None = None
@@ -188,7 +193,21 @@ class QKClip:
             if not kernel.training or torch._C._current_graph_task_id() != -1:
                 return None
             q, k = args[0], args[1]
-            attention.observe(q, k, kwargs.get("is_causal", True), kwargs.get("scale"))
+            if q.shape[1] != attention.local_heads:
+                raise ValueError(
+                    f"qk_clip: attention module {attention.name!r} ran with {q.shape[1]} "
+                    f"query heads where its layout gives this rank {attention.local_heads}"
+                )
+            if self._maxima is None:
+                dtype = math_ops.logit_dtype(q.dtype)
+                self._maxima = torch.full((self.heads,), -math.inf, dtype=dtype, device=q.device)
+            math_ops.max_logits(
+                q,
+                k,
+                causal=kwargs.get("is_causal", True),
+                scale=kwargs.get("scale"),
+                out=self._maxima[attention.tracked_heads],
+            )
             return None
 
         return track
@@ -196,27 +215,56 @@ class QKClip:
     @torch.no_grad()
     def clip(self) -> None:
         """Combine this step's maxima and rescale the owned query and key rows (run by the
-        optimizer after its step); the maxima start again empty."""
+        optimizer after its step, its GPU work queued behind the step); the next forward
+        starts a new running maximum. A fixed number of launches, plus one foreach call,
+        whatever the number of layers."""
+        if not self.attention:  # (removed: on every rank, or the combination would hang)
+            return
         maxima = self._combined_maxima()
         self.max_logit = maxima.max()
         self.clipped_heads = (maxima > self.threshold).sum()
-        start = 0
+        gamma = math_ops.head_scales(maxima, self.threshold)
+        q_scales, k_scales = self._query_key_scales(gamma)
+        weights, factors, cast = [], [], {}
         for a in self.attention:
-            gamma = math_ops.head_scales(maxima[start : start + a.n_heads], self.threshold)
-            start += a.n_heads
-            a.maxima = None
-            q_scale, k_scale = math_ops.query_key_scales(gamma, a.n_kv_heads, self.alpha)
-            for proj, scale in (("wq", q_scale), ("wk", k_scale)):
+            for proj, scales, heads in (
+                ("wq", q_scales, a.query_heads),
+                ("wk", k_scales, a.key_heads),
+            ):
                 weight = _stepped_weight(getattr(a.module, proj))
-                if weight is not None:
-                    math_ops.scale_head_rows_(weight, scale)
+                if weight is None:
+                    continue
+                key = (proj, weight.dtype)
+                if key not in cast:  # (one cast per dtype, not per layer)
+                    cast[key] = scales.to(weight.dtype)
+                weights.append(weight)
+                factors.append(cast[key][heads])
+        math_ops.scale_heads_rows_(weights, factors)
+
+    def _query_key_scales(self, gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed (per query head γ^α, per key head its group's smallest γ^(1−α)): one
+        call for all layers when they share a group size."""
+        groups = {a.n_heads // a.n_kv_heads for a in self.attention}
+        if len(groups) == 1:
+            return math_ops.query_key_scales(gamma, self.heads // groups.pop(), self.alpha)
+        per_layer = [
+            math_ops.query_key_scales(gamma[a.query_heads], a.n_kv_heads, self.alpha)
+            for a in self.attention
+        ]
+        return torch.cat([q for q, _ in per_layer]), torch.cat([k for _, k in per_layer])
 
     def _combined_maxima(self) -> torch.Tensor:
-        """Every served head's maximum logit, in module order (−inf: none seen), combined
-        over ``process_group`` (under tensor parallelism its tp ranks' heads too, each in
-        its place); one collective, the same on every rank."""
+        """Every served head's maximum logit, packed in module order (−inf: none seen),
+        float64, combined over ``process_group`` (under tensor parallelism its tp ranks'
+        heads too, each in its place); one collective, the same on every rank."""
+        maxima, self._maxima = self._maxima, None
+        if maxima is None:  # (no tracked forward since the last step)
+            device = self.attention[0].module.wq.weight.device
+            maxima = torch.full((self.heads,), -math.inf, dtype=torch.float64, device=device)
+        elif maxima.is_cuda:  # (made on the compute stream, read on the step's)
+            maxima.record_stream(torch.cuda.current_stream(maxima.device))
         # (float64: γ as exact as the masters it scales)
-        packed = torch.cat([a.all_heads() for a in self.attention])
+        packed = maxima.to(torch.float64)
         if self.reduce:
             dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.group)
         return packed
@@ -234,7 +282,7 @@ class QKClip:
         """Stop tracking (the optimizer's hook stays, clipping nothing)."""
         for hook in self._hooks:
             hook.remove()
-        self.attention = []
+        self.attention, self.heads, self._maxima = [], 0, None
 
 
 def _kernel_of(module: nn.Module) -> nn.Module | None:

@@ -29,6 +29,7 @@ def max_logits(
     causal: bool = True,
     scale: float | None = None,
     query_chunk: int = QUERY_CHUNK,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per query head, the largest attention logit ``q_i · k_j · scale`` over the batch and
     every unmasked (query, key) pair, in float32 (float64 inputs stay float64).
@@ -40,15 +41,19 @@ def max_logits(
     1/√head_dim. Exact: on CUDA in half precision, the one-pass kernel of
     :mod:`dmuon_titan.ops.max_logit` (fp32 accumulation, as flash attention); elsewhere
     chunked over the queries in float32 (float64 stays float64), so no (queries, keys) matrix
-    of every head is held at once, and causal chunks read only the keys they see."""
+    of every head is held at once, and causal chunks read only the keys they see.
+
+    ``out``: a (heads,) tensor of that dtype (float32 for half inputs) to fold the maxima
+    into in place and return (its values count as seen already: a running maximum over a
+    step's forwards); None: a new one."""
     b, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not divide into {kv_heads} key heads")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    if max_logit.runs_for(q, k):
-        return max_logit.max_logits(q, k, causal=causal, scale=scale)
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if scale > 0 and max_logit.runs_for(q, k):
+        return max_logit.max_logits(q, k, causal=causal, scale=scale, out=out)
+    dtype = logit_dtype(q.dtype)
     qg = q.to(dtype).reshape(b, kv_heads, heads // kv_heads, n_q, d)
     kt = k.to(dtype).transpose(-1, -2).unsqueeze(2)  # (b, kv_heads, 1, d, keys)
     best = torch.full((heads,), -math.inf, dtype=dtype, device=q.device)
@@ -65,7 +70,14 @@ def max_logits(
             logits = logits.masked_fill(hidden, -math.inf)
         chunk_max = logits.amax(dim=(0, 3, 4)).reshape(heads)
         best = torch.maximum(best, chunk_max)
-    return best
+    if out is None:
+        return best
+    return torch.maximum(out, best, out=out)
+
+
+def logit_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :func:`max_logits` returns for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def head_scales(maxima: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -93,3 +105,14 @@ def scale_head_rows_(weight: torch.Tensor, per_head: torch.Tensor) -> None:
     heads = per_head.numel()
     rows = weight.view(heads, weight.shape[0] // heads, *weight.shape[1:])
     rows.mul_(per_head.to(weight.dtype).view(heads, *([1] * (rows.dim() - 1))))
+
+
+@torch.no_grad()
+def scale_heads_rows_(weights: list[torch.Tensor], per_head: list[torch.Tensor]) -> None:
+    """:func:`scale_head_rows_` for each pair of ``weights`` and ``per_head`` in one
+    foreach call (the clip's host time grows with the number of launches, per layer)."""
+    if not weights:
+        return
+    rows = [w.view(s.numel(), -1) for w, s in zip(weights, per_head, strict=True)]
+    factors = [s.to(w.dtype).view(-1, 1) for w, s in zip(weights, per_head, strict=True)]
+    torch._foreach_mul_(rows, factors)

@@ -27,7 +27,8 @@ torch.manual_seed(0)
 # than queries (a cache's bottom-right alignment), fewer (rows that see no key), no mask
 for b, h, kv, n_q, n_k, d, causal in [
     (2, 4, 2, 100, 100, 16, True), (1, 4, 4, 130, 150, 32, True), (1, 2, 1, 140, 20, 16, True),
-    (2, 6, 3, 70, 70, 64, False), (1, 2, 1, 200, 200, 128, True),
+    (2, 6, 3, 70, 70, 64, False), (1, 2, 1, 200, 200, 128, True), (1, 2, 2, 330, 330, 32, True),
+    (1, 2, 1, 300, 290, 16, False),
 ]:
     q = torch.randn(b, n_q, h, d).transpose(1, 2).half()  # strided, as torchtitan passes it
     k = torch.randn(b, kv, n_k, d)
@@ -40,6 +41,26 @@ for b, h, kv, n_q, n_k, d, causal in [
         got = max_logit.max_logits(q, kh, causal=causal, scale=0.7 / math.sqrt(d))
         assert got.dtype == torch.float32 and got.shape == (h,)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        # folded into a running maximum: a slot above this batch's keeps its value
+        held = expected.clone()
+        held[::2] += 1.0
+        slots = torch.full((h + 2,), -math.inf)
+        slots[1 : h + 1] = held
+        view = slots[1 : h + 1]
+        assert max_logit.max_logits(q, kh, causal=causal, scale=0.7 / math.sqrt(d), out=view) is view
+        torch.testing.assert_close(view, torch.maximum(held, expected), rtol=1e-5, atol=1e-5)
+        assert slots[0] == slots[-1] == -math.inf
+# a spike just past the diagonal of each row block's first row (offsets that end a key
+# block there), and logits all negative (padded query rows' zeros must not count)
+for n_q, n_k, sign in [(130, 192, 1), (200, 326, 1), (100, 100, 1), (140, 150, -1)]:
+    q = torch.randn(1, 2, n_q, 32).abs() * 0.01
+    k = torch.randn(1, 1, n_k, 32).abs() * 0.01 * sign
+    for block, r in enumerate(range(0, n_q, 128)):  # (each pair in a dimension of its own)
+        if r + n_k - n_q + 1 < n_k and sign > 0:
+            q[0, :, r, block], k[0, 0, r + n_k - n_q + 1, block] = 10.0, 10.0
+    q, k = q.half(), k.half()
+    expected = ops.max_logits(q.float(), k.float(), causal=True)
+    torch.testing.assert_close(max_logit.max_logits(q, k, causal=True, scale=32**-0.5), expected)
 print("max logit ok")
 """
 
@@ -48,7 +69,7 @@ print("max logit ok")
 def test_kernel_in_the_triton_interpreter():
     """Block walk, causal bound, GQA head mapping, strides and masks, checked in float16
     against the float32 chunked path (so CPU-only CI covers them)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")  # (CPU tensors)
     result = subprocess.run(
         [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600
     )
