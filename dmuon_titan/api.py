@@ -24,6 +24,7 @@ from .plan import ParamSpec, plan_partition, select_boundaries
 from .plan.collectives import boundary_collectives
 from .plan.partition import DEFAULT_SMALL_PARAM_NUMEL
 from .plan.report import plan_report
+from .qk_clip import not_tracked
 from .runtime.collectives import Collectives
 from .runtime.fsdp import install_fully_shard_patch, install_replicate_patch, register_tied
 from .runtime.group import BoundaryGroup
@@ -486,6 +487,7 @@ def prepare_pipeline_stage(stage) -> bool:
     state = getattr(stage.submod, STATE_ATTR, None)
     if state is None:
         return False
+    _untrack_metadata_inference(stage)
     original = stage.perform_reduce_grad
     if getattr(original, "_dmuon", False):
         return True
@@ -498,6 +500,26 @@ def prepare_pipeline_stage(stage) -> bool:
     perform_reduce_grad._dmuon = True
     stage.perform_reduce_grad = perform_reduce_grad
     return True
+
+
+#: the stage methods (torch 2.13, torch <= 2.12) that run its forward on stand-in inputs
+#: to learn the shapes it sends
+_METADATA_INFERENCE = ("_forward_metadata_inference", "_shape_inference")
+
+
+def _untrack_metadata_inference(stage) -> None:
+    """QK-clip must not track the forward a stage runs on uninitialized stand-ins."""
+    for name in _METADATA_INFERENCE:
+        original = getattr(stage, name, None)
+        if original is None or getattr(original, "_dmuon", False):
+            continue
+
+        def untracked(*args, _original=original, **kwargs):
+            with not_tracked():
+                return _original(*args, **kwargs)
+
+        untracked._dmuon = True
+        setattr(stage, name, untracked)
 
 
 def check_pipeline_schedule(schedule_class: type) -> None:

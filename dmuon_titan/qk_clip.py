@@ -14,8 +14,10 @@ logits), biases, masks other than causal, rowwise or head-splitting tensor paral
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,20 @@ from .runtime.owned_param import dedicated_slot_owner
 KERNEL_NAMES = ("inner_attention", "sdpa")
 #: kernels whose masks the tracker cannot read (block masks, packed sequences)
 UNSERVED_KERNELS = ("FlexAttentionWrapper", "VarlenAttentionWrapper")
+
+_untracked_depth = 0
+
+
+@contextlib.contextmanager
+def not_tracked() -> Iterator[None]:
+    """Forwards inside are not the step's (a pipeline stage's metadata inference, which runs
+    its layers on uninitialized inputs): no clip tracks their logits."""
+    global _untracked_depth
+    _untracked_depth += 1
+    try:
+        yield
+    finally:
+        _untracked_depth -= 1
 
 
 @dataclasses.dataclass
@@ -72,16 +88,16 @@ def find_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def served_attention(model: nn.Module) -> list[ClippedAttention]:
+def served_attention(model: nn.Module, allow_empty: bool = False) -> list[ClippedAttention]:
     """The attention modules of ``model`` the clip serves (:func:`find_attention`); one
-    line naming the first that cannot be served, or saying that there is none, as a
-    ValueError (checked before any collective)."""
+    line naming the first that cannot be served, or saying that there is none (unless
+    ``allow_empty``), as a ValueError (checked before any collective)."""
     served = [_serve(name, module) for name, module in find_attention(model)]
     start = kv_start = 0
     for attention in served:
         attention.start, attention.kv_start = start, kv_start
         start, kv_start = start + attention.n_heads, kv_start + attention.n_kv_heads
-    if not served:
+    if not served and not allow_empty:
         raise ValueError(
             "qk_clip: the model has no attention module with wq, wk and an "
             f"{' or '.join(KERNEL_NAMES)} child: nothing to clip"
@@ -148,7 +164,11 @@ class QKClip:
         process_group: the ranks whose maxima are combined with MAX: those that saw other
             data or hold other heads of the same layers (tensor parallelism); default: every
             rank, when torch.distributed is initialized. Every rank of it must step, since
-            the combination is a collective.
+            the combination is a collective. Under pipeline parallelism: the ranks of this
+            stage (they hold the same layers).
+        allow_empty: a model without a served attention module clips nothing instead of
+            being refused (a pipeline stage without attention layers; every rank of
+            ``process_group`` must then hold none).
 
     After each step, :attr:`max_logit` is the largest logit of that step's forwards (before
     the clip) and :attr:`clipped_heads` the number of heads rescaled (0-dim tensors, written
@@ -163,6 +183,7 @@ class QKClip:
         *,
         alpha: float = 0.5,
         process_group: dist.ProcessGroup | None = None,
+        allow_empty: bool = False,
     ) -> None:
         if not threshold > 0 or not math.isfinite(threshold):
             raise ValueError(f"qk_clip threshold = {threshold!r}: use a positive number")
@@ -171,7 +192,7 @@ class QKClip:
         self.threshold, self.alpha = float(threshold), float(alpha)
         self.group = process_group
         self.reduce = dist.is_available() and dist.is_initialized()
-        self.attention = served_attention(model)
+        self.attention = served_attention(model, allow_empty)
         self.heads = sum(a.n_heads for a in self.attention)
         #: the step's running maximum logit of every served head, packed (−inf: not seen
         #: yet); made at the step's first tracked forward, handed to the clip after it
@@ -190,7 +211,12 @@ class QKClip:
         def track(kernel, args, kwargs):
             # evaluation is not the step's; a recomputation in the backward (activation
             # checkpointing) sees the forward's q and k again
-            if not kernel.training or torch._C._current_graph_task_id() != -1:
+            if (
+                not kernel.training
+                or torch._C._current_graph_task_id() != -1
+                or _untracked_depth
+                or args[0].is_meta
+            ):
                 return None
             q, k = args[0], args[1]
             if q.shape[1] != attention.local_heads:
@@ -218,7 +244,7 @@ class QKClip:
         optimizer after its step, its GPU work queued behind the step); the next forward
         starts a new running maximum. A fixed number of launches, plus one foreach call,
         whatever the number of layers."""
-        if not self.attention:  # (removed: on every rank, or the combination would hang)
+        if not self.attention:  # (none, or removed: on every rank of the group alike)
             return
         maxima = self._combined_maxima()
         self.max_logit = maxima.max()

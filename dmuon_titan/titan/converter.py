@@ -96,20 +96,17 @@ def check_compatibility(job_config, parallel_dims) -> None:
 
 
 def _check_qk_clip(job_config, parallel_dims) -> None:
-    """What QK-clip does not serve yet: layouts whose ranks hold other layers or other
-    parts of a sequence (pipeline and context parallelism: one MAX over every rank would
-    not combine their maxima), the naive baseline and compiled blocks."""
+    """What QK-clip does not serve yet: context parallelism (its ranks hold other parts of
+    a sequence, and ring attention's logits are formed across them), the naive baseline
+    and compiled blocks."""
     key = f"[dmuon] qk_clip_threshold = {job_config.dmuon.qk_clip_threshold}"
-    p = job_config.parallelism
-    for name, degree in (
-        ("context_parallel_degree", p.context_parallel_degree),
-        ("pipeline_parallel_degree", p.pipeline_parallel_degree),
-    ):
-        if degree > 1:
-            raise ConfigError(
-                f"{key} with parallelism.{name} = {degree}: QK-clip serves data, tensor and "
-                "expert parallelism for now; set qk_clip_threshold = 0 or the degree to 1"
-            )
+    degree = job_config.parallelism.context_parallel_degree
+    if degree > 1:
+        raise ConfigError(
+            f"{key} with parallelism.context_parallel_degree = {degree}: QK-clip serves "
+            "data, tensor, pipeline and expert parallelism for now; set qk_clip_threshold "
+            "= 0 or the degree to 1"
+        )
     if job_config.dmuon.mode == "naive":
         raise ConfigError(f'{key} with [dmuon] mode = "naive": use mode = "dedicated"')
     if job_config.compile.enable and "model" in job_config.compile.components:

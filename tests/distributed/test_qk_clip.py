@@ -14,6 +14,7 @@ from dmuon_titan.ops import qk_clip as ops
 
 from ..helpers import relative_errors
 from ..helpers.harness import run_ranks
+from ..helpers.pipeline import PipelineConfig, stage_modules, train_pipelined
 from ..helpers.training import (
     RunConfig,
     build_dmuon,
@@ -190,6 +191,56 @@ def test_qk_clip_equals_the_reference(clip_reference, world_size, configs):
         assert issued[0].count((everyone, *clip_max)) == cfg.steps, issued[0]
         errors = relative_errors(result["weights"], reference, init)
         assert max(errors.values()) <= 1e-10, (cfg, sorted(errors.items(), key=lambda e: -e[1])[:3])
+
+
+def _clipped_pipelined(rank, world_size, cfg, pcfg):
+    issued = []
+    with _recorded_collectives(issued):
+        result = train_pipelined(rank, world_size, cfg, pcfg)
+    return {**result, "issued": issued}
+
+
+@pytest.mark.parametrize(
+    "pcfg",
+    [PipelineConfig(pp=2), PipelineConfig(pp=2, schedule="Interleaved1F1B", stages_per_rank=2)],
+    ids=["pp2xdp2-1F1B", "pp2xdp2-Interleaved1F1B"],
+)
+def test_qk_clip_under_pipeline_parallelism(pcfg):
+    """4 layers cut into 2 or 4 stages on pp 2 x dp 2, 4 microbatches a step: each stage's
+    maxima are combined over its data-parallel ranks alone (one float64 MAX of its layers'
+    heads per stage and step) and its owners clip; the weights of every stage equal the
+    single-process reference with the clip within 1e-10 after 5 steps, and every process
+    group's collectives are issued alike by its ranks."""
+    cfg = with_(CLIP, model="toy4")
+    reference, init = train_reference(cfg), initial_state(cfg)
+    assert (
+        max(relative_errors(train_reference(with_(cfg, qk_clip=None)), reference, init).values())
+        > 1e-3
+    )
+    results = run_ranks(_clipped_pipelined, 4, cfg, pcfg, timeout=300)
+    weights = {}
+    for r in results:
+        weights.update(r["weights"] or {})
+    errors = relative_errors(weights, reference, init)
+    assert max(errors.values()) <= 1e-10, sorted(errors.items(), key=lambda e: -e[1])[:3]
+    issued = [r["issued"] for r in results]
+    for group in {entry[0] for log in issued for entry in log}:
+        per_rank = [[e for e in issued[rank] if e[0] == group] for rank in group]
+        assert per_rank == [per_rank[0]] * len(group), group
+    modules = stage_modules(pcfg)
+    for rank, log in enumerate(issued):
+        pp_rank, stage_ranks = rank // 2, (rank // 2 * 2, rank // 2 * 2 + 1)
+        mine = modules[pp_rank :: pcfg.pp]
+        layers = [sum(m.startswith("layers.") for m in part) for part in mine]
+        clip_maxima = [
+            e
+            for e in log
+            if e[1:] and e[1] == "all_reduce" and e[3:] == ("torch.float64", str(dist.ReduceOp.MAX))
+        ]
+        assert {e[0] for e in clip_maxima} == {stage_ranks}
+        assert sorted(e[2] for e in clip_maxima) == sorted(
+            4 * n for n in layers for _ in range(cfg.steps)
+        )
 
 
 class _Kernel(torch.nn.Module):

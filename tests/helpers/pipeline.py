@@ -119,7 +119,8 @@ def train_pipelined(rank: int, world_size: int, cfg, pcfg: PipelineConfig) -> di
         n_microbatches=pcfg.micro_batches,
         loss_fn=loss_fn,  # mean per microbatch; the schedule divides by their count
     )
-    optimizers = [build_optimizer(cfg, part) for part in parts]
+    # (QK-clip: each stage's maxima combined over its data-parallel ranks alone)
+    optimizers = [build_optimizer(cfg, part, mesh["dp"].get_group()) for part in parts]
     per_rank = cfg.batch // dp
     norms = []
     for step in range(cfg.steps):

@@ -364,7 +364,10 @@ def build_dmuon(cfg: RunConfig, world_size: int):
     return model, optimizer
 
 
-def build_optimizer(cfg: RunConfig, model) -> dmuon.Muon:
+def build_optimizer(cfg: RunConfig, model, qk_clip_group=None) -> dmuon.Muon:
+    """DMuon for ``cfg``, with its QK-clip when ``cfg.qk_clip`` (``qk_clip_group``: the ranks
+    whose maxima it combines, None: all; given, a model part without attention is served
+    empty, as a pipeline stage may be)."""
     optimizer = dmuon.Muon(
         model,
         lr=cfg.lr,
@@ -381,7 +384,14 @@ def build_optimizer(cfg: RunConfig, model) -> dmuon.Muon:
         async_step=cfg.async_step,
     )
     if cfg.qk_clip is not None:
-        dmuon.QKClip(model, optimizer, cfg.qk_clip)  # (the optimizer's update hook holds it)
+        # (the optimizer's update hook holds it)
+        dmuon.QKClip(
+            model,
+            optimizer,
+            cfg.qk_clip,
+            process_group=qk_clip_group,
+            allow_empty=qk_clip_group is not None,
+        )
     return optimizer
 
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from .test_titan import checkpointed_args, run_ok, tb_losses, tb_scalars, toy_args
+from .test_titan import checkpointed_args, from_seed, run_ok, tb_losses, tb_scalars, toy_args
 
 STEPS = 12
 TAU = 1.5
@@ -65,6 +65,39 @@ def test_qk_clip_under_tensor_parallelism(tokenizer_dir, tmp_path):
     assert max(tracked.values()) > 1.8 * TAU, tracked
     assert clipped[STEPS] < 0.8 * tracked[STEPS], (clipped, tracked)
     assert sum(heads.values()) > 0 and losses[STEPS] < losses[1]
+
+
+def test_qk_clip_under_pipeline_parallelism(tokenizer_dir, tmp_path, toy_seed):
+    """pp 2 on 2 ranks, Interleaved1F1B (4 stages, two a rank; each stage's maxima combined
+    over its own ranks, the logged figures over the stages), from one seed checkpoint:
+    every step's loss, logged maximum logit and clipped heads equal the one-rank run's
+    (loss and logit within 1e-5; max_norm 0.1 makes the PP gradients comparable, see
+    test_compose's pipeline test), and heads are clipped."""
+    common = [
+        *HOT,
+        *from_seed(toy_seed, 8),
+        "--training.max_norm",
+        "0.1",
+        "--dmuon.qk_clip_threshold",
+        str(TAU),
+    ]
+    pp = ["--parallelism.pipeline_parallel_degree", "2"]
+    pp += ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+    figures = {}
+    for name, ranks, extra in (("one", 1, []), ("pp2", 2, pp)):
+        dump = tmp_path / name
+        run_ok(ranks, *toy_args(tokenizer_dir, dump, *common, *extra))
+        figures[name] = [
+            tb_losses(dump),
+            tb_scalars(dump, "dmuon/max_attention_logit"),
+            tb_scalars(dump, "dmuon/clipped_heads"),
+        ]
+    (loss, logit, heads), (pp_loss, pp_logit, pp_heads) = figures["one"], figures["pp2"]
+    assert sorted(pp_logit) == list(range(1, 9)) and sum(heads.values()) > 0, (logit, heads)
+    assert pp_heads == heads, (pp_heads, heads)
+    for step in range(1, 9):
+        assert abs(pp_loss[step] - loss[step]) <= 1e-5, (step, pp_loss[step], loss[step])
+        assert abs(pp_logit[step] - logit[step]) <= 1e-5, (step, pp_logit[step], logit[step])
 
 
 @pytest.mark.slow

@@ -91,11 +91,6 @@ def _dims(**kw):
             "qk_clip_threshold = 100.0 with parallelism.context_parallel_degree = 2",
         ),
         (
-            ["--dmuon.qk_clip_threshold", "100", "--parallelism.pipeline_parallel_degree", "2"],
-            {"pp_enabled": True},
-            "qk_clip_threshold = 100.0 with parallelism.pipeline_parallel_degree = 2",
-        ),
-        (
             ["--dmuon.qk_clip_threshold", "100", "--dmuon.mode", "naive"],
             {},
             'qk_clip_threshold = 100.0 with [dmuon] mode = "naive"',
@@ -117,7 +112,6 @@ def _dims(**kw):
         "cpu-offload",
         "early-step",
         "qk-clip-cp",
-        "qk-clip-pp",
         "qk-clip-naive",
         "qk-clip-compile",
     ],
