@@ -62,6 +62,12 @@ class ClippedAttention:
     #: its first query head's and first key head's index in the packed vectors
     start: int = 0
     kv_start: int = 0
+    #: the projections whose head rows make q and k (MLA: wq or wq_b, and wkv_b)
+    query_proj: str = "wq"
+    key_proj: str = "wk"
+    #: MLA (deepseek_v3): per head (qk_nope_head_dim, qk_rope_head_dim, v_head_dim); the
+    #: shared rotary key (from wkv_a) is not rescaled
+    latent: tuple[int, int, int] | None = None
 
     @property
     def query_heads(self) -> slice:
@@ -79,13 +85,25 @@ class ClippedAttention:
 
 
 def find_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of every attention module of ``model`` in the served layout (a
-    ``wq`` and a ``wk`` child and a kernel child), in ``named_modules`` order."""
+    """``(name, module)`` of every attention module of ``model`` in the served layouts (a
+    kernel child, and ``wq`` and ``wk``, or MLA's ``wkv_b`` with ``wq`` or ``wq_b``), in
+    ``named_modules`` order."""
     found = []
     for name, module in model.named_modules():
-        if hasattr(module, "wq") and hasattr(module, "wk") and _kernel_of(module) is not None:
+        if _projections(module) is not None and _kernel_of(module) is not None:
             found.append((_clean(name), module))
     return found
+
+
+def _projections(module: nn.Module) -> tuple[str, str] | None:
+    """(query, key) projection names of an attention module, None if it has neither
+    layout."""
+    if isinstance(getattr(module, "wkv_b", None), nn.Module):
+        query = "wq" if isinstance(getattr(module, "wq", None), nn.Module) else "wq_b"
+        return (query, "wkv_b") if isinstance(getattr(module, query, None), nn.Module) else None
+    if all(isinstance(getattr(module, n, None), nn.Module) for n in ("wq", "wk")):
+        return "wq", "wk"
+    return None
 
 
 def served_attention(model: nn.Module, allow_empty: bool = False) -> list[ClippedAttention]:
@@ -99,27 +117,23 @@ def served_attention(model: nn.Module, allow_empty: bool = False) -> list[Clippe
         start, kv_start = start + attention.n_heads, kv_start + attention.n_kv_heads
     if not served and not allow_empty:
         raise ValueError(
-            "qk_clip: the model has no attention module with wq, wk and an "
-            f"{' or '.join(KERNEL_NAMES)} child: nothing to clip"
+            "qk_clip: the model has no attention module with wq and wk (or MLA's wkv_b) and "
+            f"an {' or '.join(KERNEL_NAMES)} child: nothing to clip"
         )
     return served
 
 
 def _serve(name: str, module: nn.Module) -> ClippedAttention:
-    kernel = _kernel_of(module)
-    problem = None
-    if type(kernel).__name__ in UNSERVED_KERNELS:
-        problem = f"its kernel {type(kernel).__name__} takes masks the clip cannot read"
-    elif any(getattr(module, n, None) is not None for n in ("q_norm", "k_norm")):
-        problem = "its query/key norms make the logits independent of the weights' scale"
-    elif any(getattr(getattr(module, n), "bias", None) is not None for n in ("wq", "wk")):
-        problem = "its wq/wk have biases"
+    query, key = _projections(module)
+    latent = None
+    if key == "wkv_b":  # (MLA: one key head per query head)
+        dims = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        latent = tuple(getattr(module, n, None) for n in dims)
     heads = getattr(module, "n_heads", None)
-    kv_heads = getattr(module, "n_kv_heads", None) or heads
-    if problem is None and not (isinstance(heads, int) and heads % kv_heads == 0):
-        problem = "it has no n_heads (and n_kv_heads) dividing its projections"
+    kv_heads = heads if latent else getattr(module, "n_kv_heads", None) or heads
+    problem = _layout_problem(module, query, key, heads, kv_heads, latent)
     tp = (1, 0)
-    for proj in ("wq", "wk"):
+    for proj in (query, key):
         owner = dedicated_slot_owner(getattr(module, proj), "weight")
         if problem is not None:
             break
@@ -133,7 +147,27 @@ def _serve(name: str, module: nn.Module) -> ClippedAttention:
     if problem is not None:
         raise ValueError(f"qk_clip: attention module {name!r} is not served: {problem}")
     local = heads // tp[0]
-    return ClippedAttention(name, module, heads, kv_heads, tp[1] * local, local)
+    return ClippedAttention(
+        name, module, heads, kv_heads, tp[1] * local, local, 0, 0, query, key, latent
+    )
+
+
+def _layout_problem(module, query, key, heads, kv_heads, latent) -> str | None:
+    """Why the clip's rule does not hold for this attention module, or None."""
+    kernel = _kernel_of(module)
+    if type(kernel).__name__ in UNSERVED_KERNELS:
+        return f"its kernel {type(kernel).__name__} takes masks the clip cannot read"
+    # (MLA's q_norm and kv_norm act on the latents, before wq_b and wkv_b: the head rows'
+    # scale still bounds the logits)
+    if latent is None and any(getattr(module, n, None) is not None for n in ("q_norm", "k_norm")):
+        return "its query/key norms make the logits independent of the weights' scale"
+    if any(getattr(getattr(module, n), "bias", None) is not None for n in (query, key)):
+        return f"its {query}/{key} have biases"
+    if not (isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads == 0):
+        return "it has no n_heads (and n_kv_heads) dividing its projections"
+    if latent is not None and not all(isinstance(n, int) and n > 0 for n in latent):
+        return "it has no qk_nope_head_dim, qk_rope_head_dim and v_head_dim"
+    return None
 
 
 def _tensor_parallel_problem(proj: str, owner, heads: int, kv_heads: int) -> str | None:
@@ -251,21 +285,33 @@ class QKClip:
         self.clipped_heads = (maxima > self.threshold).sum()
         gamma = math_ops.head_scales(maxima, self.threshold)
         q_scales, k_scales = self._query_key_scales(gamma)
-        weights, factors, cast = [], [], {}
+        rows, factors, cast = [], [], {}
+
+        def add(weight, heads: int, part: slice | None, scales, slot: slice) -> None:
+            key = (id(scales), weight.dtype)
+            if key not in cast:  # (one cast per dtype, not per layer)
+                cast[key] = scales.to(weight.dtype)
+            blocks = weight.view(heads, -1, weight.shape[-1])
+            rows.append(blocks if part is None else blocks[:, part])
+            factors.append(cast[key][slot])
+
         for a in self.attention:
-            for proj, scales, heads in (
-                ("wq", q_scales, a.query_heads),
-                ("wk", k_scales, a.key_heads),
-            ):
-                weight = _stepped_weight(getattr(a.module, proj))
-                if weight is None:
-                    continue
-                key = (proj, weight.dtype)
-                if key not in cast:  # (one cast per dtype, not per layer)
-                    cast[key] = scales.to(weight.dtype)
-                weights.append(weight)
-                factors.append(cast[key][heads])
-        math_ops.scale_heads_rows_(weights, factors)
+            query = _stepped_weight(getattr(a.module, a.query_proj))
+            key = _stepped_weight(getattr(a.module, a.key_proj))
+            if a.latent is None:
+                if query is not None:
+                    add(query, a.n_heads, None, q_scales, a.query_heads)
+                if key is not None:
+                    add(key, a.n_kv_heads, None, k_scales, a.key_heads)
+                continue
+            # MLA: q's content part × γ^α and rotary part × γ, k's content part × γ^(1−α)
+            nope = slice(0, a.latent[0])
+            if query is not None:
+                add(query, a.n_heads, nope, q_scales, a.query_heads)
+                add(query, a.n_heads, slice(a.latent[0], None), gamma, a.query_heads)
+            if key is not None:
+                add(key, a.n_heads, nope, k_scales, a.key_heads)
+        math_ops.scale_heads_rows_(rows, factors)
 
     def _query_key_scales(self, gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed (per query head γ^α, per key head its group's smallest γ^(1−α)): one

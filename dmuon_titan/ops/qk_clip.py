@@ -108,11 +108,11 @@ def scale_head_rows_(weight: torch.Tensor, per_head: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def scale_heads_rows_(weights: list[torch.Tensor], per_head: list[torch.Tensor]) -> None:
-    """:func:`scale_head_rows_` for each pair of ``weights`` and ``per_head`` in one
-    foreach call (the clip's host time grows with the number of launches, per layer)."""
-    if not weights:
-        return
-    rows = [w.view(s.numel(), -1) for w, s in zip(weights, per_head, strict=True)]
-    factors = [s.to(w.dtype).view(-1, 1) for w, s in zip(weights, per_head, strict=True)]
-    torch._foreach_mul_(rows, factors)
+def scale_heads_rows_(rows: list[torch.Tensor], per_head: list[torch.Tensor]) -> None:
+    """Multiply each of ``rows`` — a weight's rows as (heads, rows per head, in) blocks, or a
+    slice of them — by its ``per_head`` factors (heads,) in place, in one foreach call (the
+    clip's host time would otherwise grow with the layers); factor 1 keeps values exactly."""
+    if rows:
+        torch._foreach_mul_(
+            rows, [f.to(r.dtype).view(-1, 1, 1) for r, f in zip(rows, per_head, strict=True)]
+        )

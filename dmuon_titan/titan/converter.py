@@ -127,7 +127,7 @@ def check_qk_clip_targets(model: nn.Module, predicate) -> list:
     except ValueError as err:
         raise ConfigError(f"{key}: {err}") from None
     for a in served:
-        for proj in ("wq", "wk"):
+        for proj in (a.query_proj, a.key_proj):
             name = f"{a.name}.{proj}.weight"
             if not predicate(name, getattr(a.module, proj).weight):
                 raise ConfigError(

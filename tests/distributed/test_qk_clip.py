@@ -149,7 +149,17 @@ def _clipped_suite(rank, world_size, configs):
 
 @pytest.fixture(scope="module")
 def clip_reference():
-    return train_reference(CLIP), train_reference(with_(CLIP, qk_clip=None)), initial_state(CLIP)
+    """model name -> (the reference with the clip, without it, the initial weights)."""
+    cache = {}
+
+    def reference(model: str):
+        if model not in cache:
+            cfg = with_(CLIP, model=model)
+            clipped, unclipped = train_reference(cfg), train_reference(with_(cfg, qk_clip=None))
+            cache[model] = clipped, unclipped, initial_state(cfg)
+        return cache[model]
+
+    return reference
 
 
 @pytest.mark.parametrize(
@@ -166,19 +176,23 @@ def clip_reference():
         ),
         (3, [CLIP]),
         (4, [with_(CLIP, replicate=2), with_(CLIP, tp=2)]),
+        (2, [with_(CLIP, model="mla"), with_(CLIP, model="mla", micro_batches=2)]),
+        (3, [with_(CLIP, model="mla", reshard_after_forward=False)]),
     ],
-    ids=["one_rank", "fsdp2_z3_z2_accumulated", "fsdp3", "hsdp2x2_tp2xdp2"],
+    ids=["one_rank", "fsdp2_z3_z2_accumulated", "fsdp3", "hsdp2x2_tp2xdp2", "mla2", "mla3_z2"],
 )
 def test_qk_clip_equals_the_reference(clip_reference, world_size, configs):
     """Also: the ranks of every process group issue the same sequence of collectives on it,
     the clip's MAX of every head's maximum (4 heads a layer, float64) once a step over all
     ranks among them. tp 2 x dp 2: each rank's kernel sees 2 of the 4 query heads and 1 of
-    the 2 key heads (grouped-query)."""
-    reference, unclipped, init = clip_reference
+    the 2 key heads (grouped-query). mla: deepseek_v3's latent attention, a block with wq
+    and one with wq_a/q_norm/wq_b, a softmax scale of its own (the reference:
+    ``training._plain_latent_clip_``)."""
+    reference, unclipped, init = clip_reference(configs[0].model)
     # (the clip changes the run: the comparison is not of two unclipped runs)
     assert max(relative_errors(unclipped, reference, init).values()) > 1e-3
     results = run_ranks(_clipped_suite, world_size, configs, timeout=300)
-    heads = 4 * sum(k.endswith("wq.weight") for k in init)  # (4 query heads a layer)
+    heads = 4 * sum(k.endswith("wo.weight") for k in init)  # (4 query heads a layer)
     clip_max = ("all_reduce", heads, "torch.float64", str(dist.ReduceOp.MAX))
     for i, (cfg, result) in enumerate(zip(configs, results[0], strict=True)):
         assert all(c > 0 for c in result["clipped"]), result["clipped"]

@@ -496,3 +496,72 @@ def stacked_to_sliced(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         else:
             out[key] = value
     return out
+
+
+def rotary(x: torch.Tensor) -> torch.Tensor:
+    """A fixed rotary embedding of x (batch, seq, heads, dim) by position, in pairs."""
+    t, d = x.shape[1], x.shape[-1]
+    freqs = 0.5 ** torch.arange(d // 2, dtype=x.dtype, device=x.device)
+    angles = torch.arange(t, dtype=x.dtype, device=x.device)[:, None] * freqs
+    cos, sin = angles.cos()[None, :, None], angles.sin()[None, :, None]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class ScaledCausalAttention(nn.Module):
+    """The kernel child with the ``scale`` keyword torchtitan's SDPA wrapper takes."""
+
+    def forward(self, q, k, v, *, scale: float | None = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention laid out as torchtitan's deepseek_v3 builds it: q from
+    ``wq`` (or ``wq_a`` → ``q_norm`` → ``wq_b``), per head a content part and a rotary part;
+    k's content part per head from ``wkv_a`` → ``kv_norm`` → ``wkv_b``, its rotary part one
+    shared head from ``wkv_a``; a softmax scale of its own."""
+
+    def __init__(self, dim: int, n_heads: int, q_lora_rank: int = 0) -> None:
+        super().__init__()
+        self.n_heads, self.q_lora_rank, self.kv_lora_rank = n_heads, q_lora_rank, 16
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = 8, 4, 8
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if q_lora_rank == 0:
+            self.wq = nn.Linear(dim, n_heads * self.qk_head_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(q_lora_rank)
+            self.wq_b = nn.Linear(q_lora_rank, n_heads * self.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(self.kv_lora_rank)
+        self.wkv_b = nn.Linear(
+            self.kv_lora_rank, n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
+        self.wo = nn.Linear(n_heads * self.v_head_dim, dim, bias=False)
+        self.softmax_scale = self.qk_head_dim**-0.5 * 1.3  # (as deepseek's mscale changes it)
+        self.inner_attention = ScaledCausalAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(b, t, -1, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q = torch.cat([q_nope, rotary(q_pe)], dim=-1)
+        kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_pe = rotary(k_pe.unsqueeze(2))
+        kv = self.wkv_b(self.kv_norm(kv)).view(b, t, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.inner_attention(q, k, v, scale=self.softmax_scale)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class LatentTransformer(ToyTransformer):
+    """The toy with MLA blocks, alternately without and with a query latent (q_lora_rank)."""
+
+    def __init__(self, vocab: int = 64, **kwargs) -> None:
+        super().__init__(vocab=vocab, **kwargs)
+        dim, heads = self.tok_embeddings.embedding_dim, kwargs.get("n_heads", 4)
+        for i, block in enumerate(self.layers):
+            block.attention = LatentAttention(dim, heads, q_lora_rank=12 * (i % 2))

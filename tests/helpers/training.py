@@ -24,6 +24,7 @@ from .models import (
     BRANCH_TOKEN,
     BranchTransformer,
     GroupedMoETransformer,
+    LatentTransformer,
     MoETransformer,
     ReuseTransformer,
     TiedTransformer,
@@ -49,6 +50,7 @@ MODELS = {
     "moe": MoETransformer,
     "grouped_moe": GroupedMoETransformer,
     "tied": TiedTransformer,
+    "mla": functools.partial(LatentTransformer, n_layers=2),
 }
 #: the Muon matrices of each model (the reference's torch.optim.Muon gets the same; for
 #: "grouped_moe" every expert slice of the 3-D stacks as a matrix of its own)
@@ -215,6 +217,9 @@ def plain_qk_clip_(model: nn.Module, seen: dict[str, list], threshold: float) ->
     modules = dict(model.named_modules())
     for name, pairs in seen.items():
         attn = modules[name]
+        if hasattr(attn, "wkv_b"):
+            _plain_latent_clip_(attn, pairs, threshold)
+            continue
         heads, kv_heads, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
         best = torch.full((heads,), -math.inf, dtype=torch.float64)
         for q, k in pairs:
@@ -233,6 +238,30 @@ def plain_qk_clip_(model: nn.Module, seen: dict[str, list], threshold: float) ->
         for g in range(kv_heads):
             wk[g] *= min(gamma[g * group : (g + 1) * group]) ** 0.5
         pairs.clear()
+
+
+def _plain_latent_clip_(attn: nn.Module, pairs: list, threshold: float) -> None:
+    """MuonClip on an MLA module written out (Kimi K2's rule): per head the largest causal
+    logit q·k·softmax_scale, γ = min(1, τ/S); the query's content rows × √γ and rotary rows
+    × γ, the rows of wkv_b making the key's content part × √γ, the shared rotary key and the
+    values untouched. Clears ``pairs``."""
+    heads, nope = attn.n_heads, attn.qk_nope_head_dim
+    best = [-math.inf] * heads
+    for q, k in pairs:
+        t = q.shape[2]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        for h in range(heads):
+            logits = (q[:, h].double() @ k[:, h].double().transpose(-1, -2)) * attn.softmax_scale
+            best[h] = max(best[h], logits[:, causal].max().item())
+    query = attn.wq if attn.q_lora_rank == 0 else attn.wq_b
+    wq = query.weight.view(heads, attn.qk_head_dim, -1)
+    wkv = attn.wkv_b.weight.view(heads, nope + attn.v_head_dim, -1)
+    for h in range(heads):
+        gamma = threshold / best[h] if best[h] > threshold else 1.0
+        wq[h, :nope] *= gamma**0.5
+        wq[h, nope:] *= gamma
+        wkv[h, :nope] *= gamma**0.5
+    pairs.clear()
 
 
 def initial_state(cfg: RunConfig) -> dict[str, torch.Tensor]:

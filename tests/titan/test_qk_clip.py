@@ -101,6 +101,33 @@ def test_qk_clip_under_pipeline_parallelism(tokenizer_dir, tmp_path, toy_seed):
 
 
 @pytest.mark.slow
+def test_qk_clip_on_latent_attention_under_expert_parallelism(tokenizer_dir, tmp_path):
+    """deepseek_v3 debugmodel (MLA: wq and wkv_b's per-head rows, the shared rotary key
+    untouched; its own softmax scale) at ep 2 on 2 ranks, 8 steps at the hot learning rate,
+    where one update can double its logits: tracking alone sees them grow past 1.8 τ; with
+    τ heads are clipped, the largest and the last maxima end below 0.7 and 0.8 of the
+    tracked run's, and the loss falls."""
+    from .test_models import EP2, model_args
+
+    common = [*model_args("deepseek_v3", "debugmodel", 8), *HOT, "--training.steps", "8", *EP2]
+    figures = {}
+    for name, tau in (("tracked", "1e9"), ("clipped", str(TAU))):
+        dump = tmp_path / name
+        out = run_ok(2, *toy_args(tokenizer_dir, dump, *common, "--dmuon.qk_clip_threshold", tau))
+        assert "on 6 attention modules (layers.0.attention" in out
+        figures[name] = [
+            tb_scalars(dump, "dmuon/max_attention_logit"),
+            tb_scalars(dump, "dmuon/clipped_heads"),
+            tb_losses(dump),
+        ]
+    (tracked, _, _), (clipped, heads, losses) = figures["tracked"], figures["clipped"]
+    assert sorted(clipped) == list(range(1, 9)) and max(tracked.values()) > 1.8 * TAU, tracked
+    assert sum(heads.values()) > 0, heads
+    assert max(clipped.values()) < 0.7 * max(tracked.values()), (clipped, tracked)
+    assert clipped[8] < 0.8 * tracked[8] and losses[8] < losses[1], (clipped, losses)
+
+
+@pytest.mark.slow
 def test_qk_clip_resumes_bit_exactly(tokenizer_dir, tmp_path):
     """Stopped at step 6 and resumed: steps 7-12 (losses and logged maxima) bit-identical to
     the uninterrupted run."""

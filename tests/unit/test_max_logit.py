@@ -66,9 +66,13 @@ print("max logit ok")
 
 
 @pytest.mark.skipif(max_logit.triton is None, reason="needs Triton")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="for CPU-only machines: GPUs run the compiled kernel"
+)
 def test_kernel_in_the_triton_interpreter():
     """Block walk, causal bound, GQA head mapping, strides and masks, checked in float16
-    against the float32 chunked path (so CPU-only CI covers them)."""
+    against the float32 chunked path (so CPU-only CI covers them; the older Triton of the
+    GPU machines cannot interpret a loop bound computed in the kernel)."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")  # (CPU tensors)
     result = subprocess.run(
         [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600
