@@ -23,7 +23,7 @@ from dmuon_titan.ops import max_logit  # noqa: E402
 from dmuon_titan.ops import qk_clip as ops  # noqa: E402
 
 #: name -> (heads, kv heads, head dim)
-SHAPES = {"llama3-8B": (32, 8, 128), "170M": (12, 12, 64)}
+SHAPES = {"llama3-8B": (32, 8, 128), "170M": (16, 16, 64)}
 
 
 def row(name: str, heads: int, kv: int, d: int, seq: int, batch: int) -> str:
