@@ -488,23 +488,32 @@ def test_a_dropped_optimizer_leaves_its_step_in_flight_waited_for():
 
 
 def test_qk_clip_after_the_asynchronous_captured_step():
-    """float32, QK-clip at a threshold every step clips: the rescale waits for the captured
-    step replayed on its side stream (``async_step``) and lands before the next forward's
-    broadcasts: captured once and replayed for the rest, the weights equal the eager step's
-    within 1e-6 of the weight change and the single-process float32 reference with the clip
-    written out within 1e-4, and differ from the run without the clip."""
+    """float32, QK-clip at a threshold every step clips, lr 0.2 (the toy's logits grow): the
+    rescale is queued on the captured step's side stream (``async_step``) behind the replay
+    and lands before the next forward's broadcasts. Captured once and replayed for the
+    rest, the weights equal those of the same captured step replayed on the current stream
+    (the clip after it there) within 1e-7 of the weight change, or twice what two eager runs
+    differ by (the forward and backward kernels' own nondeterminism), the eager step's within
+    1e-5 (the fused passes' rounding, carried through 5 steps at this learning rate: 3e-6
+    on an H100) and the single-process float32 reference with the clip written out within
+    1e-4, and differ from the run without the clip."""
     cfg = RunConfig(
         param_dtype=torch.float32, ns_dtype=torch.float32, device="cuda", lr=0.2, qk_clip=0.4
     )
-    graph, eager, unclipped = run_ranks(
+    eager_cfg = with_(cfg, cuda_graph=False)
+    graph, current, eager, eager_again, unclipped = run_ranks(
         graph_and_eager,
         1,
-        [cfg, with_(cfg, cuda_graph=False), with_(cfg, qk_clip=None)],
+        [cfg, with_(cfg, async_step=False), eager_cfg, eager_cfg, with_(cfg, qk_clip=None)],
         backend="nccl",
     )[0]
     assert graph["captures"] == 1 and graph["replays"] == cfg.steps - 1
+    assert current["captures"] == 1
     init = initial_state(cfg)
-    assert max(relative_errors(graph["weights"], eager["weights"], init).values()) <= 1e-6
+    floor = max(relative_errors(eager["weights"], eager_again["weights"], init).values())
+    drift = max(relative_errors(graph["weights"], current["weights"], init).values())
+    assert drift <= max(1e-7, 2 * floor), (drift, floor)
+    assert max(relative_errors(graph["weights"], eager["weights"], init).values()) <= 1e-5
     assert max(relative_errors(unclipped["weights"], graph["weights"], init).values()) > 1e-3
     reference = train_reference(cfg, ns_precision="float32")
     assert max(relative_errors(graph["weights"], reference, init).values()) <= 1e-4
