@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from .ops import qk_clip as math_ops
 from .runtime.owned_param import dedicated_slot_owner
@@ -252,25 +253,47 @@ class QKClip:
                 or args[0].is_meta
             ):
                 return None
-            q, k = args[0], args[1]
-            if q.shape[1] != attention.local_heads:
-                raise ValueError(
-                    f"qk_clip: attention module {attention.name!r} ran with {q.shape[1]} "
-                    f"query heads where its layout gives this rank {attention.local_heads}"
-                )
-            if self._maxima is None:
-                dtype = math_ops.logit_dtype(q.dtype)
-                self._maxima = torch.full((self.heads,), -math.inf, dtype=dtype, device=q.device)
-            math_ops.max_logits(
-                q,
-                k,
-                causal=kwargs.get("is_causal", True),
-                scale=kwargs.get("scale"),
-                out=self._maxima[attention.tracked_heads],
-            )
+            self._observe(attention, args[0], args[1], kwargs)
             return None
 
         return track
+
+    @torch.no_grad()
+    def _observe(self, attention: ClippedAttention, q, k, kwargs) -> None:
+        """Fold this forward's maxima into the step's. Under context parallelism q and k
+        come as DTensors sharded on the sequence: this rank's query rows are held against
+        every rank's keys (one all-gather of k over the cp mesh; the causal mask by each
+        row's place in torch's layout), and the step's MAX over the ranks completes it."""
+        context = isinstance(q, DTensor)
+        if context and (q.device_mesh.ndim != 1 or q.placements != (Shard(2),)):
+            raise ValueError(
+                f"qk_clip: attention module {attention.name!r} got q as a DTensor placed "
+                f"{q.placements} on {q.device_mesh}; context parallelism's Shard(2) on one "
+                "mesh dimension is served"
+            )
+        local = q.to_local() if context else q
+        if local.shape[1] != attention.local_heads:
+            raise ValueError(
+                f"qk_clip: attention module {attention.name!r} ran with {local.shape[1]} "
+                f"query heads where its layout gives this rank {attention.local_heads}"
+            )
+        if self._maxima is None:
+            dtype = math_ops.logit_dtype(local.dtype)
+            self._maxima = torch.full((self.heads,), -math.inf, dtype=dtype, device=local.device)
+        out, causal = self._maxima[attention.tracked_heads], kwargs.get("is_causal", True)
+        if not context:
+            math_ops.max_logits(q, k, causal=causal, scale=kwargs.get("scale"), out=out)
+            return
+        math_ops.context_parallel_max_logits(
+            local,
+            k.full_tensor(),
+            rank=q.device_mesh.get_local_rank(),
+            world=q.device_mesh.size(),
+            load_balanced=_context_parallel_load_balanced(),
+            causal=causal,
+            scale=kwargs.get("scale"),
+            out=out,
+        )
 
     @torch.no_grad()
     def clip(self) -> None:
@@ -355,6 +378,13 @@ class QKClip:
         for hook in self._hooks:
             hook.remove()
         self.attention, self.heads, self._maxima = [], 0, None
+
+
+def _context_parallel_load_balanced() -> bool:
+    """Whether torch's context parallelism lays the sequence out head-tail (its default)."""
+    from torch.distributed.tensor.experimental._attention import _cp_options
+
+    return bool(_cp_options.enable_load_balance)
 
 
 def _kernel_of(module: nn.Module) -> nn.Module | None:

@@ -116,3 +116,35 @@ def scale_heads_rows_(rows: list[torch.Tensor], per_head: list[torch.Tensor]) ->
         torch._foreach_mul_(
             rows, [f.to(r.dtype).view(-1, 1, 1) for r, f in zip(rows, per_head, strict=True)]
         )
+
+
+def context_parallel_max_logits(
+    q_local: torch.Tensor,
+    k_all: torch.Tensor,
+    *,
+    rank: int,
+    world: int,
+    load_balanced: bool,
+    causal: bool = True,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`max_logits` of one context-parallel rank's query rows against every key:
+    ``q_local`` (batch, heads, seq / world, d) this rank's rows, ``k_all`` (batch, kv_heads,
+    seq, d) every rank's keys concatenated in rank order. ``load_balanced``: torch's
+    head-tail layout (rank r holds sequence chunks r and 2·world−1−r of 2·world), else rank r
+    holds the r-th contiguous slice. Causal rows see the keys up to their place in the
+    sequence; the maximum over the ranks is the whole sequence's."""
+    if not causal:
+        return max_logits(q_local, k_all, causal=False, scale=scale, out=out)
+    if not load_balanced:
+        seen = (rank + 1) * q_local.shape[2]
+        return max_logits(q_local, k_all[:, :, :seen], causal=True, scale=scale, out=out)
+    chunk = q_local.shape[2] // 2
+    held = [(j, 2 * world - 1 - j) for j in range(world)]  # (chunks of each rank, in order)
+    place = {c: (j * 2 + i) * chunk for j, pair in enumerate(held) for i, c in enumerate(pair)}
+    natural = torch.cat([k_all[:, :, place[c] : place[c] + chunk] for c in range(2 * world)], 2)
+    for i, c in enumerate(held[rank]):
+        rows = q_local[:, :, i * chunk : (i + 1) * chunk]
+        out = max_logits(rows, natural[:, :, : (c + 1) * chunk], causal=True, scale=scale, out=out)
+    return out

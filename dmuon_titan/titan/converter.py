@@ -96,17 +96,8 @@ def check_compatibility(job_config, parallel_dims) -> None:
 
 
 def _check_qk_clip(job_config, parallel_dims) -> None:
-    """What QK-clip does not serve yet: context parallelism (its ranks hold other parts of
-    a sequence, and ring attention's logits are formed across them), the naive baseline
-    and compiled blocks."""
+    """What QK-clip does not serve yet: the naive baseline and compiled blocks."""
     key = f"[dmuon] qk_clip_threshold = {job_config.dmuon.qk_clip_threshold}"
-    degree = job_config.parallelism.context_parallel_degree
-    if degree > 1:
-        raise ConfigError(
-            f"{key} with parallelism.context_parallel_degree = {degree}: QK-clip serves "
-            "data, tensor, pipeline and expert parallelism for now; set qk_clip_threshold "
-            "= 0 or the degree to 1"
-        )
     if job_config.dmuon.mode == "naive":
         raise ConfigError(f'{key} with [dmuon] mode = "naive": use mode = "dedicated"')
     if job_config.compile.enable and "model" in job_config.compile.components:

@@ -317,3 +317,38 @@ def test_tensor_parallel_layouts_served_or_one_line(tp_dim, heads, kv_heads, mes
     owner = SimpleNamespace(tp_dim=tp_dim, tp_size=2)
     problem = _tensor_parallel_problem("wk", owner, heads, kv_heads)
     assert problem is None if message is None else message in problem
+
+
+@pytest.mark.parametrize("world, balanced", [(2, True), (3, True), (2, False), (4, True)])
+def test_context_parallel_maxima_are_the_whole_sequences(world, balanced):
+    """Each context-parallel rank's rows (torch's head-tail load balancer when balanced,
+    contiguous slices otherwise) against every rank's keys in rank order: the maximum over
+    the ranks equals the whole sequence's causal maximum, with GQA; a key seen past its
+    place (keys growing along the sequence) would win."""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+        _HeadTailLoadBalancer,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    seq = 24 * world
+    q = torch.randn(2, 4, seq, 8, generator=g, dtype=torch.float64).abs()
+    k = torch.randn(2, 2, seq, 8, generator=g, dtype=torch.float64).abs()
+    k = k * torch.linspace(1, 4, seq, dtype=torch.float64)[:, None]
+    expected = ops.max_logits(q, k, causal=True, scale=0.3)
+    if balanced:
+        order = _HeadTailLoadBalancer(seq, world, "cpu")._generate_indices()[0]
+        q_cp, k_cp = q[:, :, order], k[:, :, order]
+    else:
+        q_cp, k_cp = q, k
+    per_rank = [
+        ops.context_parallel_max_logits(
+            q_cp.chunk(world, dim=2)[r],
+            k_cp,
+            rank=r,
+            world=world,
+            load_balanced=balanced,
+            scale=0.3,
+        )
+        for r in range(world)
+    ]
+    assert torch.equal(torch.stack(per_rank).amax(0), expected)

@@ -86,11 +86,6 @@ def _dims(**kw):
         (["--training.enable_cpu_offload"], {}, "training.enable_cpu_offload = true"),
         (["--optimizer.early_step_in_backward"], {}, "optimizer.early_step_in_backward = true"),
         (
-            ["--dmuon.qk_clip_threshold", "100", "--parallelism.context_parallel_degree", "2"],
-            {},
-            "qk_clip_threshold = 100.0 with parallelism.context_parallel_degree = 2",
-        ),
-        (
             ["--dmuon.qk_clip_threshold", "100", "--dmuon.mode", "naive"],
             {},
             'qk_clip_threshold = 100.0 with [dmuon] mode = "naive"',
@@ -111,7 +106,6 @@ def _dims(**kw):
         "grouped-mm-float8",
         "cpu-offload",
         "early-step",
-        "qk-clip-cp",
         "qk-clip-naive",
         "qk-clip-compile",
     ],
