@@ -237,13 +237,15 @@ class QKClip:
         self.max_logit: torch.Tensor | None = None
         self.clipped_heads: torch.Tensor | None = None
         self._hooks = [
-            _kernel_of(a.module).register_forward_pre_hook(self._tracker(a), with_kwargs=True)
+            # (a forward hook, not a pre-hook: it sees the inputs as the kernel ran on them,
+            # after every pre-hook, those of a context-parallel style applied later too)
+            _kernel_of(a.module).register_forward_hook(self._tracker(a), with_kwargs=True)
             for a in self.attention
         ]
         optimizer.register_update_hook(self.clip)
 
     def _tracker(self, attention: ClippedAttention):
-        def track(kernel, args, kwargs):
+        def track(kernel, args, kwargs, output):
             # evaluation is not the step's; a recomputation in the backward (activation
             # checkpointing) sees the forward's q and k again
             if (

@@ -96,8 +96,17 @@ def check_compatibility(job_config, parallel_dims) -> None:
 
 
 def _check_qk_clip(job_config, parallel_dims) -> None:
-    """What QK-clip does not serve yet: the naive baseline and compiled blocks."""
+    """What QK-clip does not serve yet: the naive baseline, compiled blocks, and context
+    parallelism's other sequence layouts (the tracking places rows as torch's head-tail
+    layout does)."""
     key = f"[dmuon] qk_clip_threshold = {job_config.dmuon.qk_clip_threshold}"
+    p = job_config.parallelism
+    if p.context_parallel_degree > 1 and p.context_parallel_load_balancer != "headtail":
+        raise ConfigError(
+            f"{key} with parallelism.context_parallel_load_balancer = "
+            f"{p.context_parallel_load_balancer!r}: QK-clip serves 'headtail' under context "
+            "parallelism"
+        )
     if job_config.dmuon.mode == "naive":
         raise ConfigError(f'{key} with [dmuon] mode = "naive": use mode = "dedicated"')
     if job_config.compile.enable and "model" in job_config.compile.components:

@@ -17,6 +17,7 @@ from ..helpers.harness import run_ranks
 from ..helpers.pipeline import PipelineConfig, stage_modules, train_pipelined
 from ..helpers.training import (
     RunConfig,
+    batch,
     build_dmuon,
     initial_state,
     train_reference,
@@ -352,3 +353,60 @@ def test_context_parallel_maxima_are_the_whole_sequences(world, balanced):
         for r in range(world)
     ]
     assert torch.equal(torch.stack(per_rank).amax(0), expected)
+
+
+def _context_parallel_run(rank, world_size, cfg):
+    """DMuon with the clip on ``world_size`` context-parallel ranks, which are also the
+    data-parallel ranks of the parameters (torchtitan's layout): torch's ring attention on
+    each attention kernel, every sequence cut head-tail, the loss a global token mean."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import (
+        _context_parallel_shard,
+        _ContextParallel,
+        _cp_options,
+        _enable_context_parallel_dispatcher,
+    )
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+        _HeadTailLoadBalancer,
+    )
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from dmuon_titan.toy.cpu import install_cp_cpu_shim
+
+    install_cp_cpu_shim()
+    _enable_context_parallel_dispatcher()
+    _cp_options.convert_to_f32 = False  # (float64 stays float64 in the ring's merges)
+    model, optimizer = build_dmuon(cfg, world_size)
+    cp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    for layer in model.layers:
+        parallelize_module(
+            layer.attention.inner_attention,
+            cp_mesh,
+            _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA),
+        )
+    balancer = _HeadTailLoadBalancer(cfg.seq, world_size, "cpu")
+    for step in range(cfg.steps):
+        tokens = batch(cfg, step)
+        labels = torch.full_like(tokens, -100)
+        labels[:, :-1] = tokens[:, 1:]
+        tokens, labels = _context_parallel_shard(cp_mesh, [tokens, labels], [1, 1], balancer)
+        logits = model(tokens).to(torch.float64)
+        total = labels.shape[0] * (cfg.seq - 1)  # (the global batch's predicted tokens)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum"
+        )
+        (loss * world_size / total).backward()  # (FSDP2 and DMuon average over the ranks)
+        optimizer.step()
+        optimizer.zero_grad()
+    return dmuon.get_model_state_dict(model)
+
+
+def test_qk_clip_under_context_parallelism(clip_reference):
+    """cp 2 (the sequence of 16 cut head-tail into 4 chunks of 4), float64, 5 steps at a
+    threshold that clips every step: the weights equal the single-process reference with
+    the clip written out within 1e-10 (each rank's query rows held against every rank's
+    keys; the maximum over the ranks is the whole sequence's)."""
+    reference, unclipped, init = clip_reference("toy")
+    weights = run_ranks(_context_parallel_run, 2, CLIP, timeout=300)[0]
+    errors = relative_errors(weights, reference, init)
+    assert max(errors.values()) <= 1e-10, sorted(errors.items(), key=lambda e: -e[1])[:3]

@@ -86,6 +86,14 @@ def _dims(**kw):
         (["--training.enable_cpu_offload"], {}, "training.enable_cpu_offload = true"),
         (["--optimizer.early_step_in_backward"], {}, "optimizer.early_step_in_backward = true"),
         (
+            [
+                *("--dmuon.qk_clip_threshold", "100", "--parallelism.context_parallel_degree"),
+                *("2", "--parallelism.context_parallel_load_balancer", "ptrr"),
+            ],
+            {},
+            "context_parallel_load_balancer = 'ptrr': QK-clip serves 'headtail'",
+        ),
+        (
             ["--dmuon.qk_clip_threshold", "100", "--dmuon.mode", "naive"],
             {},
             'qk_clip_threshold = 100.0 with [dmuon] mode = "naive"',
@@ -106,6 +114,7 @@ def _dims(**kw):
         "grouped-mm-float8",
         "cpu-offload",
         "early-step",
+        "qk-clip-cp-layout",
         "qk-clip-naive",
         "qk-clip-compile",
     ],
