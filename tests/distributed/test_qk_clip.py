@@ -361,7 +361,6 @@ def _context_parallel_run(rank, world_size, cfg):
     each attention kernel, every sequence cut head-tail, the loss a global token mean."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental._attention import (
-        _context_parallel_shard,
         _ContextParallel,
         _cp_options,
         _enable_context_parallel_dispatcher,
@@ -385,6 +384,15 @@ def _context_parallel_run(rank, world_size, cfg):
             _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA),
         )
     balancer = _HeadTailLoadBalancer(cfg.seq, world_size, "cpu")
+    issued = []
+    with _recorded_collectives(issued):
+        _context_parallel_steps(cfg, model, optimizer, cp_mesh, balancer, world_size)
+    return {"weights": dmuon.get_model_state_dict(model), "issued": issued}
+
+
+def _context_parallel_steps(cfg, model, optimizer, cp_mesh, balancer, world_size) -> None:
+    from torch.distributed.tensor.experimental._attention import _context_parallel_shard
+
     for step in range(cfg.steps):
         tokens = batch(cfg, step)
         labels = torch.full_like(tokens, -100)
@@ -398,15 +406,19 @@ def _context_parallel_run(rank, world_size, cfg):
         (loss * world_size / total).backward()  # (FSDP2 and DMuon average over the ranks)
         optimizer.step()
         optimizer.zero_grad()
-    return dmuon.get_model_state_dict(model)
 
 
 def test_qk_clip_under_context_parallelism(clip_reference):
     """cp 2 (the sequence of 16 cut head-tail into 4 chunks of 4), float64, 5 steps at a
     threshold that clips every step: the weights equal the single-process reference with
     the clip written out within 1e-10 (each rank's query rows held against every rank's
-    keys; the maximum over the ranks is the whole sequence's)."""
+    keys; the maximum over the ranks is the whole sequence's); both ranks issue the same
+    collectives, the clip's float64 MAX once a step."""
     reference, unclipped, init = clip_reference("toy")
-    weights = run_ranks(_context_parallel_run, 2, CLIP, timeout=300)[0]
-    errors = relative_errors(weights, reference, init)
+    results = run_ranks(_context_parallel_run, 2, CLIP, timeout=300)
+    assert results[0]["issued"] == results[1]["issued"]
+    heads = 4 * sum(k.endswith("wo.weight") for k in init)
+    clip_max = ((0, 1), "all_reduce", heads, "torch.float64", str(dist.ReduceOp.MAX))
+    assert results[0]["issued"].count(clip_max) == CLIP.steps, results[0]["issued"]
+    errors = relative_errors(results[0]["weights"], reference, init)
     assert max(errors.values()) <= 1e-10, sorted(errors.items(), key=lambda e: -e[1])[:3]
