@@ -356,7 +356,8 @@ class QKClip:
         heads too, each in its place); one collective, the same on every rank."""
         maxima, self._maxima = self._maxima, None
         if maxima is None:  # (no tracked forward since the last step)
-            device = self.attention[0].module.wq.weight.device
+            first = self.attention[0]
+            device = getattr(first.module, first.query_proj).weight.device
             maxima = torch.full((self.heads,), -math.inf, dtype=torch.float64, device=device)
         elif maxima.is_cuda:  # (made on the compute stream, read on the step's)
             maxima.record_stream(torch.cuda.current_stream(maxima.device))

@@ -422,3 +422,17 @@ def test_qk_clip_under_context_parallelism(clip_reference):
     assert results[0]["issued"].count(clip_max) == CLIP.steps, results[0]["issued"]
     errors = relative_errors(results[0]["weights"], reference, init)
     assert max(errors.values()) <= 1e-10, sorted(errors.items(), key=lambda e: -e[1])[:3]
+
+
+def test_a_step_without_a_tracked_forward_clips_nothing():
+    """The clip after a step whose forwards were not tracked (evaluation only) finds every
+    head at −inf and leaves the weights as they are, MLA modules with wq_b included."""
+    from ..helpers.models import LatentAttention
+
+    model = torch.nn.ModuleDict({"a": LatentAttention(32, 4, q_lora_rank=12)}).double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stub = _Stub()
+    clip = dmuon.QKClip(model, stub, 0.1)
+    stub.hook()
+    assert clip.figures() == (-math.inf, 0)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
