@@ -67,6 +67,24 @@ def test_qk_clip_under_tensor_parallelism(tokenizer_dir, tmp_path):
     assert sum(heads.values()) > 0 and losses[STEPS] < losses[1]
 
 
+def _figures(dump):
+    """(losses, logged maximum logits, clipped heads) per step, from a run's TensorBoard."""
+    return (
+        tb_losses(dump),
+        tb_scalars(dump, "dmuon/max_attention_logit"),
+        tb_scalars(dump, "dmuon/clipped_heads"),
+    )
+
+
+def _one_rank_and_two(tokenizer_dir, tmp_path, common, two_ranks):
+    """:func:`_figures` of the run of ``common`` on one rank, and on 2 with ``two_ranks``."""
+    figures = []
+    for name, ranks, extra in (("one", 1, []), ("two", 2, two_ranks)):
+        run_ok(ranks, *toy_args(tokenizer_dir, tmp_path / name, *common, *extra))
+        figures.append(_figures(tmp_path / name))
+    return figures
+
+
 def test_qk_clip_under_pipeline_parallelism(tokenizer_dir, tmp_path, toy_seed):
     """pp 2 on 2 ranks, Interleaved1F1B (4 stages, two a rank; each stage's maxima combined
     over its own ranks, the logged figures over the stages), from one seed checkpoint:
@@ -83,16 +101,8 @@ def test_qk_clip_under_pipeline_parallelism(tokenizer_dir, tmp_path, toy_seed):
     ]
     pp = ["--parallelism.pipeline_parallel_degree", "2"]
     pp += ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
-    figures = {}
-    for name, ranks, extra in (("one", 1, []), ("pp2", 2, pp)):
-        dump = tmp_path / name
-        run_ok(ranks, *toy_args(tokenizer_dir, dump, *common, *extra))
-        figures[name] = [
-            tb_losses(dump),
-            tb_scalars(dump, "dmuon/max_attention_logit"),
-            tb_scalars(dump, "dmuon/clipped_heads"),
-        ]
-    (loss, logit, heads), (pp_loss, pp_logit, pp_heads) = figures["one"], figures["pp2"]
+    one, two = _one_rank_and_two(tokenizer_dir, tmp_path, common, pp)
+    (loss, logit, heads), (pp_loss, pp_logit, pp_heads) = one, two
     assert sorted(pp_logit) == list(range(1, 9)) and sum(heads.values()) > 0, (logit, heads)
     assert pp_heads == heads, (pp_heads, heads)
     for step in range(1, 9):
@@ -108,19 +118,9 @@ def test_qk_clip_under_context_parallelism(tokenizer_dir, tmp_path, toy_seed):
     itself), and heads are clipped."""
     common = [*HOT, *from_seed(toy_seed, 8), "--dmuon.ns_dtype", "float32"]
     common += ["--dmuon.qk_clip_threshold", str(TAU)]
-    figures = {}
-    for name, ranks, extra in (
-        ("one", 1, []),
-        ("cp2", 2, ["--parallelism.context_parallel_degree", "2"]),
-    ):
-        dump = tmp_path / name
-        run_ok(ranks, *toy_args(tokenizer_dir, dump, *common, *extra))
-        figures[name] = [
-            tb_losses(dump),
-            tb_scalars(dump, "dmuon/max_attention_logit"),
-            tb_scalars(dump, "dmuon/clipped_heads"),
-        ]
-    (loss, logit, heads), (cp_loss, cp_logit, cp_heads) = figures["one"], figures["cp2"]
+    cp2 = ["--parallelism.context_parallel_degree", "2"]
+    one, two = _one_rank_and_two(tokenizer_dir, tmp_path, common, cp2)
+    (loss, logit, heads), (cp_loss, cp_logit, cp_heads) = one, two
     assert sorted(cp_logit) == list(range(1, 9)) and sum(heads.values()) > 0, (logit, heads)
     assert cp_heads == heads, (cp_heads, heads)
     for step in range(1, 9):
@@ -144,12 +144,8 @@ def test_qk_clip_on_latent_attention_under_expert_parallelism(tokenizer_dir, tmp
         dump = tmp_path / name
         out = run_ok(2, *toy_args(tokenizer_dir, dump, *common, "--dmuon.qk_clip_threshold", tau))
         assert "on 6 attention modules (layers.0.attention" in out
-        figures[name] = [
-            tb_scalars(dump, "dmuon/max_attention_logit"),
-            tb_scalars(dump, "dmuon/clipped_heads"),
-            tb_losses(dump),
-        ]
-    (tracked, _, _), (clipped, heads, losses) = figures["tracked"], figures["clipped"]
+        figures[name] = _figures(dump)
+    (_, tracked, _), (losses, clipped, heads) = figures["tracked"], figures["clipped"]
     assert sorted(clipped) == list(range(1, 9)) and max(tracked.values()) > 1.8 * TAU, tracked
     assert sum(heads.values()) > 0, heads
     assert max(clipped.values()) < 0.7 * max(tracked.values()), (clipped, tracked)
