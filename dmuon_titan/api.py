@@ -559,12 +559,16 @@ def summarize_plan(
     *,
     ns_dtype: torch.dtype = torch.bfloat16,
     ns_steps: int = 5,
+    ns_preconditioner: str = "frobenius",
 ) -> dict[str, Any]:
     """JSON-friendly description of who owns what and what it costs, per step.
 
     Bytes use the compute/reduce dtypes resolved at the first forward (from the FSDP2
     mixed-precision policy); before that, pass them to get the figures of the coming run.
-    ``ns_dtype`` and ``ns_steps`` (:class:`~dmuon_titan.Muon`'s) size the traffic of a
-    shared Newton–Schulz (``tp_ns``). See :func:`dmuon_titan.plan.report.plan_report`.
+    ``ns_dtype``, ``ns_steps`` and ``ns_preconditioner`` (:class:`~dmuon_titan.Muon`'s)
+    size the traffic of a shared Newton–Schulz (``tp_ns``). See
+    :func:`dmuon_titan.plan.report.plan_report`.
     """
-    return plan_report(get_state(model), param_dtype, reduce_dtype, ns_dtype, ns_steps)
+    return plan_report(
+        get_state(model), param_dtype, reduce_dtype, ns_dtype, ns_steps, ns_preconditioner
+    )

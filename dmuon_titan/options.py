@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-from .ops.newton_schulz import JORDAN_COEFFICIENTS, Coefficients, normalize_coefficients
+from .ops.newton_schulz import (
+    JORDAN_COEFFICIENTS,
+    NS_PRECONDITIONERS,
+    Coefficients,
+    normalize_coefficients,
+)
 from .ops.ns_cost import NS_ALGORITHMS
 from .ops.update import ADJUST_LR_FNS
 from .plan.collectives import BOUNDARY_COLLECTIVES
@@ -116,9 +121,11 @@ class MuonOptions:
     ns_algorithm: str | None = None
     cuda_graph: bool = True
     async_step: bool = False
+    ns_preconditioner: str = "frobenius"
 
     def __post_init__(self) -> None:
         check = _Checks("Muon", self)
+        check.choice("ns_preconditioner", NS_PRECONDITIONERS)
         check.boolean("cuda_graph")
         check.boolean("async_step")
         if self.adamw_lr is None:

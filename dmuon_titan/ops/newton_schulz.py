@@ -79,6 +79,43 @@ def normalize_coefficients(
     return tuple(schedule)
 
 
+#: How NS scales its input before the first iteration: ``"frobenius"`` divides it by its
+#: Frobenius norm (torch.optim.Muon's); ``"aol"`` rescales its rows (:func:`aol_precondition_`).
+NS_PRECONDITIONERS = ("frobenius", "aol")
+
+
+def check_ns_preconditioner(preconditioner: str) -> None:
+    """Raise a ValueError naming ``preconditioner`` unless it is one of
+    :data:`NS_PRECONDITIONERS`."""
+    if preconditioner not in NS_PRECONDITIONERS:
+        raise ValueError(
+            f"unknown ns_preconditioner {preconditioner!r}; known: {list(NS_PRECONDITIONERS)}"
+        )
+
+
+def aol_precondition_(x: Tensor, eps: float, sym: dict | None = None) -> Tensor:
+    """AOL rescaling of the wide ``x`` (``[batch,] m × n``, m ≤ n) in place, returning the
+    rescaled matrix's Gram matrix, which NS's first iteration takes instead of its own X·Xᵀ.
+
+    With A = X·Xᵀ and D = diag(1/√(Σ_j |A_ij|)) (row sums clamped at ``eps``²), X ← D·X and
+    the result is D·A·D (the scale in float32, or float64 for float64 ``x``). By Schur's test
+    ‖D·X‖₂ ≤ 1, a start nearer the polar factor than X/‖X‖_F (Prach & Lampert, "Almost-
+    orthogonal layers", arXiv 2208.03160; used so in Turbo-Muon, arXiv 2512.04632). The
+    polar factor of D·X is not exactly X's (they agree when D is a multiple of I): the
+    accuracy harness measures the difference on training's matrices. ``sym``: the route of
+    the symmetric product (:func:`symmetric_matmul`'s ``panels`` and ``kernel``)."""
+    return aol_rescale_(x, symmetric_matmul(x, x.mT, **sym) if sym else x @ x.mT, eps)
+
+
+def aol_rescale_(x: Tensor, gram: Tensor, eps: float) -> Tensor:
+    """:func:`aol_precondition_` with X·Xᵀ given (``gram``, of ``x``'s dtype): ``x``'s rows
+    scaled in place, D·``gram``·D returned."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    scale = gram.abs().sum(dim=-1, dtype=wide).clamp(min=eps * eps).rsqrt()
+    x.mul_(scale.unsqueeze(-1))
+    return (gram * scale.unsqueeze(-1) * scale.unsqueeze(-2)).to(x.dtype)
+
+
 def normalize_into(matrix: Tensor, out: Tensor, eps: float) -> Tensor:
     """``out ← matrix / ‖matrix‖_F`` per matrix (norm clamped at ``eps``), rounded once to
     ``out``'s dtype. The float16 way into NS: float16 has 5 exponent bits, so gradient-sized
@@ -121,6 +158,7 @@ def zeropower_via_newtonschulz(
     polynomial_form: bool = False,
     fold_normalization: bool = False,
     squares: Tensor | None = None,
+    preconditioner: str = "frobenius",
 ) -> Tensor:
     """Approximate the orthogonal polar factor of ``matrix`` (2-D, or a batch of same-shape 3-D).
 
@@ -142,29 +180,34 @@ def zeropower_via_newtonschulz(
     1/‖X‖² and P by 1/‖X‖ (:func:`inverse_norms`), so P·X is the first iteration's result
     (where it is safe, :func:`_folds`). Both flags act on the panels/kernel route only; the
     other one is always torch.optim.Muon's operations. ``squares``: see :func:`orthogonalize`.
+    ``preconditioner`` (:data:`NS_PRECONDITIONERS`): ``"aol"`` starts from
+    :func:`aol_precondition_` instead of the Frobenius normalization (and never folds).
     """
     if fold_normalization and not polynomial_form:
         raise ValueError("fold_normalization needs polynomial_form (X <- P X)")
+    check_ns_preconditioner(preconditioner)
+    aol = preconditioner == "aol" and ns_steps > 0
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
     if symmetric_panels > 1 or symmetric_kernel:
-        fold = fold_normalization and _folds(dtype, eps, ns_steps)
-        inverse = _normalize_or_fold(x, eps, fold, _usable(squares, matrix, dtype))
         sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}
-        x = _symmetric_iterations(x, coefficients, ns_steps, inverse, polynomial_form, sym)
+        first = aol_precondition_(x, eps, sym) if aol else None
+        fold = fold_normalization and not aol and _folds(dtype, eps, ns_steps)
+        inverse = None if aol else _normalize_or_fold(x, eps, fold, _usable(squares, matrix, dtype))
+        x = _symmetric_iterations(x, coefficients, ns_steps, inverse, polynomial_form, sym, first)
+        return x.mT if tall else x
+    addmm = torch.addmm if matrix.ndim == 2 else torch.baddbmm
+    if aol:
+        gram = aol_precondition_(x, eps)
     elif matrix.ndim == 2:
         divide_(x, x.norm().clamp(min=eps))
-        for i in range(ns_steps):
-            a, b, c = coefficients[min(i, len(coefficients) - 1)]
-            gram = x @ x.T
-            gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.addmm(x, gram_update, x, beta=a)
     else:
         divide_(x, torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps))  # x is our copy
-        for i in range(ns_steps):
-            a, b, c = coefficients[min(i, len(coefficients) - 1)]
-            gram = torch.bmm(x, x.mT)
-            gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.baddbmm(x, gram_update, x, beta=a)
+    for i in range(ns_steps):
+        a, b, c = coefficients[min(i, len(coefficients) - 1)]
+        if i > 0 or not aol:
+            gram = x @ x.mT
+        gram_update = addmm(gram, gram, gram, beta=b, alpha=c)
+        x = addmm(x, gram_update, x, beta=a)
     return x.mT if tall else x
 
 
@@ -175,13 +218,18 @@ def _symmetric_iterations(
     inverse: Tensor | None,
     polynomial_form: bool,
     sym: dict,
+    first_gram: Tensor | None = None,
 ) -> Tensor:
     """:func:`zeropower_via_newtonschulz`'s iterations with the symmetric products by
-    :func:`symmetric_matmul` (``inverse``: the first iteration's folded normalization)."""
+    :func:`symmetric_matmul` (``inverse``: the first iteration's folded normalization;
+    ``first_gram``: the first iteration's X·Xᵀ, already computed)."""
     for i in range(ns_steps):
         a, b, c = coefficients[min(i, len(coefficients) - 1)]
         folded = inverse is not None and i == 0
-        gram = symmetric_matmul(x, x.mT, scale=inverse.square() if folded else None, **sym)
+        if i == 0 and first_gram is not None:
+            gram = first_gram
+        else:
+            gram = symmetric_matmul(x, x.mT, scale=inverse.square() if folded else None, **sym)
         # bA + cA², plus aI in the polynomial form
         diagonal = a if polynomial_form else 0.0
         poly = _polynomial(gram, (diagonal, b, c), inverse if folded else None, sym)
@@ -265,6 +313,7 @@ def gram_newton_schulz(
     symmetric_kernel: bool = False,
     fold_normalization: bool = False,
     squares: Tensor | None = None,
+    preconditioner: str = "frobenius",
 ) -> Tensor:
     """The same polynomial iteration as :func:`zeropower_via_newtonschulz`, run on the Gram
     matrix: equal in exact arithmetic, fewer FLOPs when one side is much longer.
@@ -281,16 +330,23 @@ def gram_newton_schulz(
     unless ``overwrite_input`` (then, when already of ``dtype``, it is used as scratch).
     ``fold_normalization``: no pass dividing X by its norm; the first Gram matrix is scaled
     by 1/‖X‖², and the Q that first multiplies X by 1/‖X‖ (:func:`inverse_norms`; where it
-    is safe, :func:`_folds`). ``squares``: see :func:`orthogonalize`.
+    is safe, :func:`_folds`). ``squares``: see :func:`orthogonalize`. ``preconditioner``: as
+    :func:`zeropower_via_newtonschulz`'s (AOL's X·Xᵀ is the first Gram matrix).
     """
+    check_ns_preconditioner(preconditioner)
+    aol = preconditioner == "aol" and ns_steps > 0
     x, tall = _wide_ns_input(matrix, dtype, eps, overwrite_input)
-    fold = fold_normalization and _folds(dtype, eps, ns_steps)
-    inverse = _normalize_or_fold(x, eps, fold, _usable(squares, matrix, dtype))
     sym = {"panels": symmetric_panels, "kernel": symmetric_kernel}  # all products but Q·X
+    if aol:
+        inverse, gram = None, aol_precondition_(x, eps, sym)
+    else:
+        fold = fold_normalization and _folds(dtype, eps, ns_steps)
+        inverse = _normalize_or_fold(x, eps, fold, _usable(squares, matrix, dtype))
+        scale = None if inverse is None else inverse.square()
+        gram = symmetric_matmul(x, x.mT, scale=scale, **sym)
     restart_at = {r for r in restarts if 0 < r < ns_steps}
     first_run_end = min(restart_at | {ns_steps}) - 1  # where Q first multiplies X
     q = None  # None: the identity (X is current)
-    gram = symmetric_matmul(x, x.mT, scale=None if inverse is None else inverse.square(), **sym)
     for i in range(ns_steps):
         a, b, c = coefficients[min(i, len(coefficients) - 1)]
         scale = inverse if i == first_run_end else None
@@ -327,10 +383,13 @@ def uses_squares(
     eps: float,
     dtype: torch.dtype,
     device: torch.device,
+    preconditioner: str = "frobenius",
 ) -> bool:
     """Whether :func:`orthogonalize` of ``dtype`` matrices of ``shape`` would take their
     norms from ``squares`` (it folds the normalization), so that the caller computes them
     only then."""
+    if preconditioner != "frobenius":
+        return False
     return _kernel_route(shape, algorithm, dtype, device)[1] and _folds(dtype, eps, ns_steps)
 
 
@@ -343,6 +402,7 @@ def orthogonalize(
     algorithm: str = "plain",
     overwrite_input: bool = False,
     squares: Tensor | None = None,
+    preconditioner: str = "frobenius",
 ) -> Tensor:
     """Newton–Schulz by ``algorithm`` (see :data:`NS_ALGORITHMS`; ``"auto"`` decides by the
     matrix's last two dimensions).
@@ -358,7 +418,8 @@ def orthogonalize(
     ``squares`` (float32, one row per matrix: partial sums of the squares of ``matrix``'s
     entries, as ``fused.momentum_directions_by_table`` writes them): where the normalization
     is folded and ``matrix`` is already of ``dtype``, its norm is their sum's root instead
-    of a pass over the matrix; elsewhere they are not used."""
+    of a pass over the matrix; elsewhere they are not used. ``preconditioner``
+    (:data:`NS_PRECONDITIONERS`): how the input is scaled first (``"aol"`` never folds)."""
     choice = ns_algorithm_for(matrix.shape[-2:], algorithm, ns_steps)
     short, long = sorted(matrix.shape[-2:])
     kernel, measured = _kernel_route(matrix.shape, algorithm, dtype, matrix.device)
@@ -375,6 +436,7 @@ def orthogonalize(
             symmetric_kernel=kernel,
             fold_normalization=measured,
             squares=squares,
+            preconditioner=preconditioner,
         )
     # Plain NS without panels: they measured slower on its shapes (docs/design_notes.md#row-panels).
     # With the kernel as X ← P·X: no copy of X into each iteration's last product, and no
@@ -391,4 +453,5 @@ def orthogonalize(
         polynomial_form=measured,
         fold_normalization=measured,
         squares=squares,
+        preconditioner=preconditioner,
     )

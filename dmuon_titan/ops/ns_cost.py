@@ -94,16 +94,22 @@ def column_block_width(shape: Sequence[int], size: int) -> int:
 
 
 def shared_ns_moved_bytes(
-    shape: Sequence[int], tp_size: int, ns_size: int = 2, sum_size: int = 4, ns_steps: int = 5
+    shape: Sequence[int],
+    tp_size: int,
+    ns_size: int = 2,
+    sum_size: int = 4,
+    ns_steps: int = 5,
+    norm: bool = True,
 ) -> int:
     """Bytes a row of ``tp_size`` ranks moves in all, in ``CommStats``' convention, to share
     the NS of a ``shape`` matrix (``ns_size``: the NS dtype's bytes; ``sum_size``: its sums',
     4, or 8 for float64 NS): with m its short side, w :func:`column_block_width`, p = ⌈m / T⌉,
     (T − 1) · (2·m·w·ns_size + sum_size + ns_steps · (m²·sum_size + T·p·m·ns_size)) — the
-    blocks out and back, the norm, and per iteration the Gram all-reduce and the update
-    all-gather."""
+    blocks out and back, the norm (not under AOL, ``norm=False``: its scales come from the
+    first Gram all-reduce), and per iteration the Gram all-reduce and the update all-gather."""
     t = tp_size
     m = min(int(shape[-2]), int(shape[-1]))
     width, per = column_block_width(shape, t), -(-m // t)
     iteration = m * m * sum_size + t * per * m * ns_size
-    return (t - 1) * (2 * m * width * ns_size + sum_size + ns_steps * iteration)
+    norms = sum_size if norm else 0
+    return (t - 1) * (2 * m * width * ns_size + norms + ns_steps * iteration)

@@ -243,7 +243,8 @@ class MuonStepGraph:
         """A graph's key: what it bakes in of ``group``, then per matrix (its id, its and
         its momentum buffer's addresses, its shape, its gradient's dtype), ``entries``."""
         baked = tuple(
-            str(group[k]) for k in ("momentum", "nesterov", "ns_steps", "eps", "ns_dtype")
+            str(group[k])
+            for k in ("momentum", "nesterov", "ns_steps", "eps", "ns_dtype", "ns_preconditioner")
         ) + (str(group["ns_coefficients"]), str(group["adjust_lr_fn"]))
         return baked + tuple(entries)
 

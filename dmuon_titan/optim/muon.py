@@ -82,6 +82,12 @@ class Muon(torch.optim.Optimizer):
             (an EMA of the weights, a norm logged) must call
             ``wait_all_replicate_broadcasts(model)`` first, hence off by default (the
             torchtitan plugin, whose loop is known, turns it on). Same results.
+        ns_preconditioner: how NS scales its input first: ``"frobenius"`` (by the Frobenius
+            norm, as ``torch.optim.Muon``) or ``"aol"`` (each row by the inverse square root
+            of X·Xᵀ's absolute row sum, fused with the first iteration's X·Xᵀ:
+            :func:`dmuon_titan.newton_schulz.aol_precondition_`; a nearer start, which takes
+            fewer ``ns_steps``, and a polar factor of the rescaled matrix). A param-group
+            entry, as ``ns_steps``.
         layout: where the Muon matrices live (:mod:`dmuon_titan.optim.layout`); default
             DMuon's owners. The naive baseline passes its gathered layout.
     """
@@ -111,6 +117,7 @@ class Muon(torch.optim.Optimizer):
         ns_algorithm: str | None = None,
         cuda_graph: bool = True,
         async_step: bool = False,
+        ns_preconditioner: str = "frobenius",
         layout: MatrixLayout | None = None,
     ) -> None:
         arguments = dict(locals())
@@ -272,6 +279,12 @@ class Muon(torch.optim.Optimizer):
         self.step_graph.wait()
         super().load_state_dict(state_dict)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # (a state dict saved before the entry existed)
+            if group.get("use_muon"):
+                group.setdefault("ns_preconditioner", "frobenius")
+
     @staticmethod
     def _before_step(optimizer: Muon, _args, _kwargs) -> None:
         """A step pre-hook: current parameters, and the owners' gradients arrived; a step
@@ -352,6 +365,7 @@ def _param_groups(options: MuonOptions, muon_params: list, other_params: list) -
         "weight_decay": o.weight_decay,
         "adjust_lr_fn": o.adjust_lr_fn,
         "ns_dtype": o.ns_dtype,
+        "ns_preconditioner": o.ns_preconditioner,
     }
     adamw_group = {
         "params": other_params,

@@ -92,6 +92,7 @@ class MatrixStep:
             self.algorithm,
             overwrite_input=True,
             squares=squares,
+            preconditioner=g["ns_preconditioner"],
         )
         if timed:
             self.timer.stop("ns")
@@ -257,7 +258,13 @@ def table_pass(ctx: MatrixStep, chunk: list[torch.Tensor], scalars: StepScalars)
     layout = tuple(batch.shape[-2:])
     squares = None
     if newton_schulz.uses_squares(
-        layout, ctx.algorithm, g["ns_steps"], g["eps"], batch.dtype, batch.device
+        layout,
+        ctx.algorithm,
+        g["ns_steps"],
+        g["eps"],
+        batch.dtype,
+        batch.device,
+        g["ns_preconditioner"],
     ):
         parts = fused.square_parts(*layout)
         squares = torch.zeros(len(chunk), parts, dtype=torch.float32, device=batch.device)
@@ -318,7 +325,14 @@ def step_shared(ctx: MatrixStep, params: list[torch.Tensor], shared) -> None:
         )
         ctx.write_direction(p, direction)
     ctx.timer.start("ns")
-    orthos = shared.orthogonalize(inputs, ctx.coefficients, g["ns_steps"], g["eps"], g["ns_dtype"])
+    orthos = shared.orthogonalize(
+        inputs,
+        ctx.coefficients,
+        g["ns_steps"],
+        g["eps"],
+        g["ns_dtype"],
+        g["ns_preconditioner"],
+    )
     ctx.timer.stop("ns")
     del inputs
     for p in params:

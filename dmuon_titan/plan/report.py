@@ -20,6 +20,7 @@ def plan_report(
     reduce_dtype: torch.dtype | None = None,
     ns_dtype: torch.dtype = torch.bfloat16,
     ns_steps: int = 5,
+    ns_preconditioner: str = "frobenius",
 ) -> dict[str, Any]:
     """``dmuon_titan.summarize_plan`` of a model's DMuon ``state`` (its root state, read for
     the plan, the mesh, the parameters and the boundaries' layout)."""
@@ -56,7 +57,7 @@ def plan_report(
         "ns_flops_per_rank": plan.load_per_rank(),
         "imbalance": plan.imbalance(),
         "bytes_per_rank_per_step": _bytes_per_step(
-            state, param_dtype, reduce_dtype, ns_dtype, ns_steps
+            state, param_dtype, reduce_dtype, ns_dtype, ns_steps, ns_preconditioner
         ),
     }
 
@@ -67,6 +68,7 @@ def _bytes_per_step(
     reduce_dtype: torch.dtype | None,
     ns_dtype: torch.dtype = torch.bfloat16,
     ns_steps: int = 5,
+    ns_preconditioner: str = "frobenius",
 ) -> dict[str, float]:
     """Bytes each collective phase moves per rank and step, averaged over every rank (the
     convention of :class:`~dmuon_titan.runtime.collectives.CommStats`).
@@ -107,7 +109,9 @@ def _bytes_per_step(
     sums = 8 if ns_dtype == torch.float64 else 4
     per_step["tp_ns"] = (
         sum(
-            shared_ns_moved_bytes(p.shape, tp, ns_dtype.itemsize, sums, ns_steps)
+            shared_ns_moved_bytes(
+                p.shape, tp, ns_dtype.itemsize, sums, ns_steps, ns_preconditioner == "frobenius"
+            )
             for p in matrices
             if p.shared_ns
         )

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ..ops.newton_schulz import Coefficients
+from ..ops.newton_schulz import Coefficients, aol_rescale_, check_ns_preconditioner
 from ..ops.ns_cost import column_block_width
 
 
@@ -59,6 +59,7 @@ def orthogonalize_column_blocks(
     ns_steps: int,
     eps: float,
     group: BlockCollectives,
+    preconditioner: str = "frobenius",
 ) -> Tensor:
     """:func:`zeropower_via_newtonschulz` (plain) of matrices that ``group.size`` ranks hold
     as column blocks of their wide orientation: ``block`` is this rank's (``[batch,] m ×
@@ -74,14 +75,19 @@ def orthogonalize_column_blocks(
     torch.optim.Muon's one product is) and the squares are summed in float32 (float64 for
     float64 NS), then rounded once: in float64 torch.optim.Muon's numbers up to the order of
     summation; in bf16 one more rounding per partial product (tests: error within 1.25× of
-    the whole-matrix bf16 NS's)."""
+    the whole-matrix bf16 NS's). ``preconditioner`` ``"aol"``: the first iteration's summed
+    A gives the row scales of :func:`aol_rescale_` (each rank scales its block's rows),
+    so AOL costs no collective beyond that iteration's."""
+    check_ns_preconditioner(preconditioner)
     squeeze = block.ndim == 2
     x = block.unsqueeze(0) if squeeze else block
     dtype = x.dtype
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    squares = x.to(wide).square().sum(dim=(-2, -1))
-    group.all_reduce_(squares)
-    x.div_(squares.sqrt().to(dtype).clamp(min=eps)[:, None, None])
+    aol = preconditioner == "aol"
+    if not aol:
+        squares = x.to(wide).square().sum(dim=(-2, -1))
+        group.all_reduce_(squares)
+        x.div_(squares.sqrt().to(dtype).clamp(min=eps)[:, None, None])
     m = x.size(-2)
     per = -(-m // group.size)
     start, stop = min(group.rank * per, m), min((group.rank + 1) * per, m)
@@ -90,6 +96,8 @@ def orthogonalize_column_blocks(
         gram = torch.bmm(x, x.mT).to(wide)
         group.all_reduce_(gram)
         gram = gram.to(dtype)
+        if aol and i == 0:
+            gram = aol_rescale_(x, gram, eps)
         rows = gram.new_zeros((gram.size(0), per, m))
         rows[:, : stop - start].copy_(gram[:, start:stop])
         rows = torch.baddbmm(rows, rows, gram, beta=b, alpha=c)

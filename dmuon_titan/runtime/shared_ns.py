@@ -105,6 +105,7 @@ class SharedNewtonSchulz:
         ns_steps: int,
         eps: float,
         dtype: torch.dtype,
+        preconditioner: str = "frobenius",
     ) -> dict[int, torch.Tensor]:
         """NS of the row's shared matrices. ``inputs``: parameter index -> the whole NS input
         (``dtype``) of each shared matrix this rank owns and has a gradient for (consumed:
@@ -141,7 +142,9 @@ class SharedNewtonSchulz:
         results: dict[int, torch.Tensor] = {}
         for members in self.batches:
             batch = torch.stack([blocks[p.index] for p in members])
-            out = orthogonalize_column_blocks(batch, coefficients, ns_steps, eps, self.group)
+            out = orthogonalize_column_blocks(
+                batch, coefficients, ns_steps, eps, self.group, preconditioner
+            )
             results.update(zip((p.index for p in members), out.unbind(0), strict=True))
         del recv, blocks
         back = torch.cat([results[p.index].reshape(-1) for part in self.by_owner for p in part])

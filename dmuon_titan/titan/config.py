@@ -109,6 +109,11 @@ class DMuon:
     docs/design_notes.md#polynomial-form-and-folded-normalization). "plain" stays
     torch.optim.Muon's exact operations."""
 
+    ns_preconditioner: str = "frobenius"
+    """How Newton-Schulz scales its input first: "frobenius" (divided by its Frobenius norm,
+    torch.optim.Muon's) or "aol" (each row by 1/sqrt of its absolute row sum of X Xᵀ, fused
+    with the first iteration: a nearer start; dmuon_titan/ops/newton_schulz.py)."""
+
     tp_ns: str = "auto"
     """With tensor_parallel_degree > 1, who runs each matrix's Newton-Schulz: "owner" (its
     owner rank alone, on the whole matrix), "shared" (the tensor-parallel ranks of the
@@ -191,6 +196,7 @@ class DMuon:
             ns_algorithm=self.ns_algorithm,
             cuda_graph=self.cuda_graph,
             async_step=self.async_step,
+            ns_preconditioner=self.ns_preconditioner,
         )
 
 

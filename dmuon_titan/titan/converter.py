@@ -293,6 +293,7 @@ def _log_plan(
         TORCH_DTYPE_MAP[training.mixed_precision_reduce],
         ns_dtype=cfg.torch_ns_dtype,
         ns_steps=cfg.ns_steps,
+        ns_preconditioner=cfg.ns_preconditioner,
     )
     loads = summary["ns_flops_per_rank"]
     where = f"{stage}: " if stage else ""

@@ -40,6 +40,7 @@ REPLICA_CASES = {
         with_(EXPERTS, ddp=True, reshard_after_forward=False),
         with_(EXPERTS, ep=2),
         with_(EXPERTS, tp=2, ep=2),
+        with_(EXPERTS, ep=2, ns_preconditioner="aol"),
     ],
     4: [
         with_(EXPERTS, replicate=2),
@@ -61,9 +62,12 @@ def test_expert_stacks_equal_torch_muon_on_every_slice(world_size):
     init = initial_state(EXPERTS)
     references = {}
     for cfg, weights in zip(cases, results, strict=True):
-        if cfg.max_norm not in references:
-            references[cfg.max_norm] = train_reference(with_(EXPERTS, max_norm=cfg.max_norm))
-        errors = relative_errors(weights, references[cfg.max_norm], init)
+        key = (cfg.max_norm, cfg.ns_preconditioner)
+        if key not in references:
+            references[key] = train_reference(
+                with_(EXPERTS, max_norm=cfg.max_norm, ns_preconditioner=cfg.ns_preconditioner)
+            )
+        errors = relative_errors(weights, references[key], init)
         worst = max(errors, key=errors.get)
         assert errors[worst] <= 1e-10, (world_size, cfg, worst, errors[worst])
         # Expert 3 gets no token anywhere: a zero gradient, so only weight decay moves it.

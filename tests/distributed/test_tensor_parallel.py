@@ -36,6 +36,7 @@ SUITES = {
             with_(EXACT, tp_ns="shared", reshard_after_forward=False, max_norm=0.05),
         ),
         ("tp4-shared-z3", with_(EXACT, tp=4, model="toy_mha", tp_ns="shared")),
+        ("shared-aol-z3", with_(EXACT, tp_ns="shared", ns_preconditioner="aol")),
     ],
     # replicate 2 x shard 2 x tp 2
     8: [

@@ -58,6 +58,9 @@ CASES = [
     ),
     # Gram NS is the same polynomial: exact against torch.optim.Muon's plain NS in float64.
     ("gram", with_(EXACT, ns_algorithm="gram"), "float64", 1e-10),
+    # AOL's row scaling instead of the Frobenius norm: the reference's NS written out with it
+    ("aol", with_(EXACT, ns_preconditioner="aol"), "float64", 1e-10),
+    ("aol+gram", with_(EXACT, ns_preconditioner="aol", ns_algorithm="gram"), "float64", 1e-10),
     ("ns_float32", with_(EXACT, ns_dtype=torch.float32), "float64", 1e-5),
     ("fp32", RunConfig(ns_dtype=torch.float32), "float32", 1e-5),
     ("bf16_default", RunConfig(ns_dtype=torch.bfloat16), "torch", None),  # measured below

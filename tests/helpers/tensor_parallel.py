@@ -52,7 +52,9 @@ def train_tp_counted(rank: int, world_size: int, configs: list[RunConfig]) -> li
                 "orthogonalized": steps,
                 "moved": {k: v / timed for k, v in stats.moved_bytes.items()},
                 "ops": {k: v / timed for k, v in stats.ops.items()},
-                "summary": dmuon.summarize_plan(model, ns_dtype=cfg.ns_dtype),
+                "summary": dmuon.summarize_plan(
+                    model, ns_dtype=cfg.ns_dtype, ns_preconditioner=cfg.ns_preconditioner
+                ),
                 "tp_placements": {p.fqn: p.tp_dim for p in state.params},
                 "weights": dmuon.get_model_state_dict(model),
             }

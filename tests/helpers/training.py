@@ -77,6 +77,7 @@ class RunConfig:
     weight_decay: float = 0.1
     adjust_lr_fn: str | None = None
     ns_coefficients: tuple = (3.4445, -4.7750, 2.0315)
+    ns_preconditioner: str = "frobenius"  # Muon(ns_preconditioner=...); the reference's too
     mixed_precision: bool = False
     max_norm: float | None = None  # clip gradients by the global norm before each step
     defer_clip: bool = False  # clip_grad_norm_(defer_owned=True): the step applies it
@@ -123,15 +124,20 @@ def batch(cfg: RunConfig, step: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- reference
-def ns_in(dtype: torch.dtype):
-    """torch.optim.Muon's Newton–Schulz with its bfloat16 cast replaced by ``dtype``."""
+def ns_in(dtype: torch.dtype, preconditioner: str = "frobenius"):
+    """torch.optim.Muon's Newton–Schulz with its bfloat16 cast replaced by ``dtype``;
+    ``preconditioner="aol"``: its normalization replaced by AOL's row scaling, written out
+    (each row divided by the root of its absolute row sum of X·Xᵀ, clamped at eps²)."""
 
     def zeropower(grad, ns_coefficients, ns_steps, eps):
         a, b, c = ns_coefficients
         x = grad.to(dtype)
         if grad.size(0) > grad.size(1):
             x = x.T
-        x = x / x.norm().clamp(min=eps)
+        if preconditioner == "aol":
+            x = x / (x @ x.T).abs().sum(dim=1, keepdim=True).clamp(min=eps * eps).sqrt()
+        else:
+            x = x / x.norm().clamp(min=eps)
         for _ in range(ns_steps):
             gram = x @ x.T
             x = a * x + (b * gram + c * gram @ gram) @ x
@@ -173,7 +179,11 @@ def train_reference(
     patch = (
         contextlib.nullcontext()
         if ns_precision == "torch"
-        else mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", ns_in(dtype))
+        else mock.patch.object(
+            torch.optim._muon,
+            "_zeropower_via_newtonschulz",
+            ns_in(dtype, cfg.ns_preconditioner),
+        )
     )
     with patch:
         for step in range(cfg.steps):
@@ -404,6 +414,7 @@ def build_optimizer(cfg: RunConfig, model, qk_clip_group=None) -> dmuon.Muon:
         ns_dtype=cfg.ns_dtype,
         ns_algorithm=cfg.ns_algorithm,
         ns_coefficients=cfg.ns_coefficients,
+        ns_preconditioner=cfg.ns_preconditioner,
         adjust_lr_fn=cfg.adjust_lr_fn,
         adamw_lr=cfg.adamw_lr,
         adamw_betas=(0.9, 0.95),

@@ -50,7 +50,9 @@ class ThreadGroup:
         return m
 
 
-def shared_orthogonalize(matrix, size, dtype, coefficients=(ns.JORDAN_COEFFICIENTS,), steps=5):
+def shared_orthogonalize(
+    matrix, size, dtype, coefficients=(ns.JORDAN_COEFFICIENTS,), steps=5, preconditioner="frobenius"
+):
     """Every rank's block through ``orthogonalize_column_blocks`` on its thread; the whole
     result, and the group (for its call counts)."""
     group = ThreadGroup(size)
@@ -61,7 +63,7 @@ def shared_orthogonalize(matrix, size, dtype, coefficients=(ns.JORDAN_COEFFICIEN
         try:
             block = column_blocks.wide_column_block(matrix.to(dtype), rank, size)
             out[rank] = column_blocks.orthogonalize_column_blocks(
-                block, coefficients, steps, 1e-7, group.member(rank)
+                block, coefficients, steps, 1e-7, group.member(rank), preconditioner
             )
         except Exception as err:  # pragma: no cover - surfaced below
             errors.append(err)

@@ -174,6 +174,7 @@ def test_meta_flow_storage_only_on_owner(cpu_mesh):
         ({"lr": 0.02}, "adamw_lr"),
         ({"lr": 0.02, "adamw_lr": 1e-3, "ns_algorithm": "fast"}, "ns_algorithm"),
         ({"lr": 0.02, "adamw_lr": 1e-3, "ns_batch_numel": -1}, "ns_batch_numel"),
+        ({"lr": 0.02, "adamw_lr": 1e-3, "ns_preconditioner": "spectral"}, "ns_preconditioner"),
     ],
 )
 def test_optimizer_hyperparameters(cpu_mesh, kwargs, name):
