@@ -263,3 +263,14 @@ def test_parameters_that_are_not_matrices_or_expert_stacks(cpu_mesh, name, match
         model = _Conv()
     with no_collectives(), pytest.raises(ValueError, match=match):
         dmuon.dedicate_params(model, cpu_mesh, lambda n, p: n == name)
+
+
+def test_a_state_dict_saved_before_ns_preconditioner_loads_as_frobenius(cpu_mesh):
+    model = ToyTransformer()
+    dmuon.dedicate_params(model, cpu_mesh, dedicated_predicate)
+    saved = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3).state_dict()
+    assert saved["param_groups"][0].pop("ns_preconditioner") == "frobenius"
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_preconditioner="aol")
+    optimizer.load_state_dict(saved)
+    assert optimizer.param_groups[0]["ns_preconditioner"] == "frobenius"
+    assert "ns_preconditioner" not in optimizer.param_groups[1]
