@@ -14,6 +14,8 @@ bookkeeping), and the optimizer step, timed with CUDA events (median). Variants:
   one per NS call / batched like the others (whatever the algorithm's default); ``_gather``:
   each block's weights by one all-gather and its gradients by one reduce-scatter
   (``collectives="gather"``) instead of a broadcast from and a reduce to each owner;
+  the NS schedule by ``_aol``, ``_pe``/``_pe1`` and ``_s<N>`` (:func:`ns_schedule`), e.g.
+  ``dmuon_z3_auto_aol_pe1_s4``;
 - ``naive``: every matrix on FSDP2, all-gather + Newton–Schulz on every rank;
 - ``torch_muon`` (one rank only): no FSDP2, ``torch.optim.Muon`` on the matrices and fused
   ``torch.optim.AdamW`` on the rest: the reference DMuon's one-rank step is held to;
@@ -62,6 +64,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import time
 
@@ -74,6 +77,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon_titan as dmuon
+from dmuon_titan import newton_schulz
 from dmuon_titan.exit import end_distributed_run
 from dmuon_titan.naive import NaiveMuon
 from dmuon_titan.options import DEFAULT_NS_BATCH_NUMEL
@@ -207,12 +211,30 @@ def build(
             ns_batch_numel=batch,
             ns_algorithm=algorithm,
             ns_dtype=torch.float16 if variant.endswith("_fp16") else torch.bfloat16,
+            **ns_schedule(variant),
         )
         if variant.endswith("_bigone"):  # matrices of 4096² elements or more one at a time
             optimizer.ns_unbatched_numel = 4096 * 4096
         elif variant.endswith("_bigbatched"):  # everything batched by ns_batch_numel
             optimizer.ns_unbatched_numel = None
     return model, optimizer
+
+
+def ns_schedule(variant: str) -> dict:
+    """The NS schedule a DMuon variant's suffixes name: ``_aol`` (AOL preconditioning),
+    ``_pe`` (Polar Express's coefficients) or ``_pe1`` (the same without its first
+    polynomial, for AOL's nearer start), ``_s<N>`` (N steps; default 5)."""
+    steps = re.search(r"_s(\d+)(?:_|$)", variant)
+    coefficients = newton_schulz.JORDAN_COEFFICIENTS
+    if re.search(r"_pe1(?:_|$)", variant):
+        coefficients = newton_schulz.NS_COEFFICIENT_SETS["polar_express"][1:]
+    elif re.search(r"_pe(?:_|$)", variant):
+        coefficients = "polar_express"
+    return {
+        "ns_coefficients": coefficients,
+        "ns_steps": int(steps.group(1)) if steps else 5,
+        "ns_preconditioner": "aol" if "_aol" in variant else "frobenius",
+    }
 
 
 def run_ns_floor(shape, device, warmup, steps) -> dict:
