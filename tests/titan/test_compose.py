@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from .test_titan import (
+    CONFIG_SEQ_LEN,
     checkpointed_from,
     from_seed,
     optimizer_tensors,
@@ -195,24 +196,24 @@ def test_tensor_parallel_equals_the_naive_path_resumes_and_loads_at_other_degree
 ):
     """tp 2 x dp 2 (4 ranks) from one seed checkpoint, fp32 NS, clipping on: the loss falls
     and equals the naive path's (every weight on FSDP2 x TP, all-gathered, NS on every rank)
-    within 1e-5 per step over 10 steps; stopped at 5 and resumed, steps 6-10 are
-    bit-identical; the step-5 checkpoint loads at tp 1 x dp 2 and tp 2 x dp 1 with identical
+    within 1e-5 per step over 6 steps; stopped at 3 and resumed, steps 4-6 are
+    bit-identical; the step-3 checkpoint loads at tp 1 x dp 2 and tp 2 x dp 1 with identical
     weights and momentum. With ``[dmuon] tp_ns = "shared"`` (each row's two ranks share
     every Newton–Schulz) the losses equal the naive path's within 1e-5 as well."""
     common = [
-        *checkpointed_from(toy_seed, 10, 5),
+        *checkpointed_from(toy_seed, 6, 3),
         "--dmuon.ns_dtype",
         "float32",
         "--training.max_norm",
         "0.5",
     ]
     a, naive, b = tmp_path / "a", tmp_path / "naive", tmp_path / "b"
-    out = run_ok(4, *toy_args(tokenizer_dir, a, *common, *TP2, "--training.steps", "10"))
+    out = run_ok(4, *toy_args(tokenizer_dir, a, *common, *TP2, "--training.steps", "6"))
     assert "x 2 tensor-parallel" in out
     run_ok(
         4,
         *toy_args(
-            tokenizer_dir, naive, *common, *TP2, "--dmuon.mode", "naive", "--training.steps", "10"
+            tokenizer_dir, naive, *common, *TP2, "--dmuon.mode", "naive", "--training.steps", "6"
         ),
     )
     shared = tmp_path / "shared"
@@ -226,21 +227,21 @@ def test_tensor_parallel_equals_the_naive_path_resumes_and_loads_at_other_degree
             "--dmuon.tp_ns",
             "shared",
             "--training.steps",
-            "10",
+            "6",
         ),
     )
     assert "Newton-Schulz shared by each owner's tensor-parallel row" in out
-    run_ok(4, *toy_args(tokenizer_dir, b, *common, *TP2, "--training.steps", "5"))
-    out = run_ok(4, *toy_args(tokenizer_dir, b, *common, *TP2, "--training.steps", "10"))
-    assert "Training starts at step 6" in out
+    run_ok(4, *toy_args(tokenizer_dir, b, *common, *TP2, "--training.steps", "3"))
+    out = run_ok(4, *toy_args(tokenizer_dir, b, *common, *TP2, "--training.steps", "6"))
+    assert "Training starts at step 4" in out
     la, ln, lb, ls = tb_losses(a), tb_losses(naive), tb_losses(b), tb_losses(shared)
-    assert sorted(la) == list(range(1, 11)) and la[10] < la[1]
-    for step in range(1, 11):
+    assert sorted(la) == list(range(1, 7)) and la[6] < la[1]
+    for step in range(1, 7):
         assert abs(la[step] - ln[step]) <= 1e-5, (step, la[step], ln[step])
         assert abs(ls[step] - ln[step]) <= 1e-5, (step, ls[step], ln[step])
-    assert [la[s] for s in range(6, 11)] == [lb[s] for s in range(6, 11)]
+    assert [la[s] for s in range(4, 7)] == [lb[s] for s in range(4, 7)]
     layouts = {"tp1xdp2": (2, []), "tp2xdp1": (2, TP2)}
-    _check_loads_identically(tokenizer_dir, tmp_path, a, 5, common, layouts)
+    _check_loads_identically(tokenizer_dir, tmp_path, a, 3, common, layouts)
 
 
 def _check_loads_identically(tokenizer_dir, tmp_path, dump, step: int, common, layouts) -> None:
@@ -331,6 +332,7 @@ def _tensor_parallel_float8_runs(tokenizer_dir, tmp_path, toy_seed, nproc: int, 
     pytest.importorskip("torchao")
     common = [
         *FLOAT8,
+        *CONFIG_SEQ_LEN,
         *layout,
         *checkpointed_from(toy_seed, 4, 1),
         "--dmuon.ns_dtype",

@@ -91,7 +91,7 @@ def test_a_3d_pattern_that_is_not_an_expert_stack_is_refused():
         muon_predicate([r"layers\.1\.bogus"], model)
 
 
-# (model, flavor): trained 10 steps on 2 CPU ranks. gpt_oss is not here: its attention is
+# (model, flavor): trained TRAIN_STEPS steps on 2 CPU ranks. gpt_oss is not here: its attention is
 # FlexAttention, which has no backward on CPU (torch's); qwen3's 64-expert debug model runs in
 # a slow test (15 s of CPU Newton-Schulz a step), its 8-expert cut here.
 MODELS = [
@@ -137,24 +137,37 @@ def _trains(tokenizer_dir, tmp_path, name, flavor, steps=10, *extra):
 LOAD_BALANCED = ("llama4", "deepseek_v3")
 
 
+#: steps of the plain training tests (a CPU step of an MoE debug model is mostly its experts'
+#: Newton–Schulz)
+TRAIN_STEPS = 6
 #: validation on, at the first and last steps (2 batches), on every model: torchtitan 0.2.2's validator
 #: hands SDPA models masks llama4 refuses, and deepseek_v3's train spec has none
-VALIDATED = ["--validation.enable", "--validation.freq", "10", "--validation.steps", "2"]
+VALIDATED = [
+    "--validation.enable",
+    "--validation.freq",
+    str(TRAIN_STEPS),
+    "--validation.steps",
+    "2",
+]
 VALIDATED += ["--validation.seq_len", "64"]
 
 
 @pytest.mark.parametrize("name, flavor", MODELS)
 def test_model_trains_with_dmuon(tokenizer_dir, tmp_path, name, flavor):
-    """10 steps with falling loss, validated at steps 1 and 10 with finite losses."""
-    save = ["--checkpoint.enable", "--checkpoint.interval", "10"] if name in LOAD_BALANCED else []
-    out = _trains(tokenizer_dir, tmp_path, name, flavor, 10, *save, *VALIDATED)
+    """``TRAIN_STEPS`` steps with falling loss, validated at the first and last with finite
+    losses."""
+    last = str(TRAIN_STEPS)
+    save = ["--checkpoint.enable", "--checkpoint.interval", last] if name in LOAD_BALANCED else []
+    out = _trains(tokenizer_dir, tmp_path, name, flavor, TRAIN_STEPS, *save, *VALIDATED)
     validation = tb_scalars(tmp_path / f"{name}-{flavor}", "validation_metrics/loss")
-    assert sorted(validation) == [1, 10], validation
+    assert sorted(validation) == [1, TRAIN_STEPS], validation
     assert all(math.isfinite(v) and v > 0 for v in validation.values()), validation
     if flavor.startswith("debugmodel_moe") or name in LOAD_BALANCED:
         assert "expert stacks:" in out
     if name in LOAD_BALANCED:  # the spec's expert-bias update runs with DMuon's optimizer
-        saved = read_checkpoint(tmp_path / f"{name}-{flavor}" / "checkpoint" / "step-10", tmp_path)
+        saved = read_checkpoint(
+            tmp_path / f"{name}-{flavor}" / "checkpoint" / f"step-{last}", tmp_path
+        )
         biases = [v for k, v in saved.items() if k.endswith("moe.expert_bias")]
         assert biases and all(b.abs().sum() > 0 for b in biases), name
 
@@ -166,7 +179,7 @@ EP2 = ["--parallelism.expert_parallel_degree", "2"]
     "name, flavor", [("qwen3", "debugmodel_moe_small"), ("deepseek_v3", "debugmodel")]
 )
 def test_moe_model_trains_with_expert_parallelism(tokenizer_dir, tmp_path, name, flavor):
-    out = _trains(tokenizer_dir, tmp_path, name, flavor, 10, *EP2)
+    out = _trains(tokenizer_dir, tmp_path, name, flavor, TRAIN_STEPS, *EP2)
     assert "experts cut by expert parallelism 2" in out
 
 

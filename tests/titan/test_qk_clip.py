@@ -7,11 +7,20 @@ import shutil
 
 import pytest
 
-from .test_titan import checkpointed_args, from_seed, run_ok, tb_losses, tb_scalars, toy_args
+from .test_titan import (
+    CONFIG_SEQ_LEN,
+    checkpointed_args,
+    from_seed,
+    run_ok,
+    tb_losses,
+    tb_scalars,
+    toy_args,
+)
 
 STEPS = 12
 TAU = 1.5
 HOT = ["--optimizer.lr", "3e-2", "--lr_scheduler.warmup_steps", "1", "--validation.freq", "100"]
+HOT += CONFIG_SEQ_LEN
 
 
 def _run(tokenizer_dir, dump, *extra, steps=STEPS, ranks=2):

@@ -51,6 +51,14 @@ def torchrun(nproc: int, *args: str, script: str | None = None, timeout: int = 6
     return proc.returncode, proc.stdout + proc.stderr
 
 
+#: the toy's sequences in the tests: a quarter of the config's 256, a quarter of the
+#: forward and backward (most of a CPU step; the step's Newton–Schulz does not change)
+TEST_SEQ_LEN = ["--training.seq_len", "64", "--validation.seq_len", "64"]
+#: the config's own sequences, for the tests whose bounds were set on them (float8's drift,
+#: QK-clip's logits)
+CONFIG_SEQ_LEN = ["--training.seq_len", "256", "--validation.seq_len", "256"]
+
+
 def toy_args(tokenizer_dir, dump: Path, *extra: str, config: Path = TOY) -> list[str]:
     return [
         "--job.config_file",
@@ -62,6 +70,7 @@ def toy_args(tokenizer_dir, dump: Path, *extra: str, config: Path = TOY) -> list
         "--debug.seed",
         "1234",
         "--metrics.enable_tensorboard",
+        *TEST_SEQ_LEN,
         *extra,
     ]
 
