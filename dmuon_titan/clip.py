@@ -153,6 +153,19 @@ def _total_norm(grads: _Grads, states: list[DMuonState], norm_type: float, forea
 
 
 @torch.no_grad()
+def global_grad_norm(
+    model: nn.Module, norm_type: float = 2.0, foreach: bool | None = None
+) -> torch.Tensor:
+    """The norm :func:`clip_grad_norm_` would clip by, nothing scaled: for a loop that logs
+    it without clipping (every rank gets the same value; the same collectives as the clip)."""
+    states = [s for s in (getattr(model, STATE_ATTR, None),) if s is not None]
+    for state in states:
+        state.finalize_reduces()
+        state.apply_deferred_grad_scale()
+    return _total_norm(_sort_grads(model.parameters()), states, float(norm_type), foreach)[0]
+
+
+@torch.no_grad()
 def clip_grads_(
     parameters: Iterable[torch.Tensor],
     states: list[DMuonState],
