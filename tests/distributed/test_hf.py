@@ -114,15 +114,24 @@ def _train(rank: int, world_size: int, port: int, out: str) -> dict:
             seen.append(inputs["input_ids"].clone())
             return super().training_step(model, inputs, num_items_in_batch)
 
+    args = _args(out, per_device_train_batch_size=PER_RANK // 2, gradient_accumulation_steps=2)
     trainer = Recording(
-        model=model, args=_args(out), train_dataset=_dataset(), optimizers=(optimizer, None)
+        model=model, args=args, train_dataset=_dataset(), optimizers=(optimizer, None)
     )
+    deferred, no_sync = [], model.no_sync
+
+    def counted():
+        deferred.append(len(seen))
+        return no_sync()
+
+    model.no_sync = counted
     trainer.train()
     return {
         "inputs": seen,
         "weights": dmuon.get_model_state_dict(model),
         "grad_norms": [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e],
         "unwrapped": trainer.model_wrapped is model and trainer.model is model,
+        "deferred": deferred,
     }
 
 
@@ -192,13 +201,17 @@ def _free_port() -> int:
 
 
 def test_trainer_equals_torch_muon_and_adamw(tmp_path):
-    """4 steps, clipping active: no DDP around the model, the logged grad_norm is the global
+    """4 steps of 2 accumulated micro-batches, clipping active: no DDP around the model, the logged grad_norm is the global
     one (equal on both ranks and to the reference's), and the weights equal the reference's
     (relative to how far they moved) within 1e-10 (2e-14 measured): float64, NS too."""
     runs = run_ranks(_train, 2, _free_port(), str(tmp_path), timeout=300)
     assert all(r["unwrapped"] for r in runs)  # (no DDP, no other wrapper)
-    assert all(len(r["inputs"]) == STEPS for r in runs)
-    batches = [torch.cat([r["inputs"][s] for r in runs]) for s in range(STEPS)]
+    assert all(len(r["inputs"]) == 2 * STEPS for r in runs)  # (two micro-batches a step)
+    # the first micro-batch of each step under dmuon.no_sync (its reduce deferred)
+    assert all(r["deferred"] == list(range(0, 2 * STEPS, 2)) for r in runs), runs[0]["deferred"]
+    batches = [
+        torch.cat([r["inputs"][i] for r in runs for i in (2 * s, 2 * s + 1)]) for s in range(STEPS)
+    ]
     reference, norms = _reference(batches)
     assert runs[0]["grad_norms"] == runs[1]["grad_norms"]
     assert min(norms) > MAX_NORM  # (the clip acts at every step)
