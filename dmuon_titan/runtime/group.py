@@ -230,8 +230,13 @@ class BoundaryGroup:
             self.reshard()
 
     def pre_backward(self) -> None:
-        """Its backward begins (the weights are current: waited for here)."""
+        """Its backward begins (the weights are current: waited for here), and they are in
+        the modules until its gradients are final: a checkpoint of the modules' ``forward``
+        (Hugging Face's gradient checkpointing, inside the boundary's hooks) recomputes with
+        them."""
         self.wait_unshard()
+        for p in self.params:
+            p.install()
         self.training_state = TrainingState.PRE_BACKWARD
 
     def recompute(self) -> None:

@@ -203,7 +203,8 @@ def _free_port() -> int:
 def test_trainer_equals_torch_muon_and_adamw(tmp_path):
     """4 steps of 2 accumulated micro-batches, clipping active: no DDP around the model, the logged grad_norm is the global
     one (equal on both ranks and to the reference's), and the weights equal the reference's
-    (relative to how far they moved) within 1e-10 (2e-14 measured): float64, NS too."""
+    (relative to how far they moved) within the float32 bound, 1e-5 (2e-14 measured here:
+    float64, NS too, but the model's RMSNorm and softmax round to float32)."""
     runs = run_ranks(_train, 2, _free_port(), str(tmp_path), timeout=300)
     assert all(r["unwrapped"] for r in runs)  # (no DDP, no other wrapper)
     assert all(len(r["inputs"]) == 2 * STEPS for r in runs)  # (two micro-batches a step)
@@ -216,14 +217,14 @@ def test_trainer_equals_torch_muon_and_adamw(tmp_path):
     assert runs[0]["grad_norms"] == runs[1]["grad_norms"]
     assert min(norms) > MAX_NORM  # (the clip acts at every step)
     for got, want in zip(runs[0]["grad_norms"], norms, strict=True):
-        assert abs(got - want) <= 1e-12 * want, (got, want)
+        assert abs(got - want) <= 1e-6 * want, (got, want)  # (rank-local: 2.5e-3 off)
     init = _model().state_dict()
     weights = runs[0]["weights"]
     assert sorted(weights) == sorted(reference)
     for k, want in reference.items():
         moved = (want - init[k]).norm()
         error = (weights[k].to(want.dtype) - want).norm() / moved
-        assert error <= 1e-10, (k, error.item())
+        assert error <= 1e-5, (k, error.item())
 
 
 def test_checkpoints_resume_bit_exactly_and_save_model_writes_the_whole_model(tmp_path):
