@@ -152,6 +152,14 @@ def _total_norm(grads: _Grads, states: list[DMuonState], norm_type: float, forea
     return (stacked.max() if inf else torch.linalg.vector_norm(stacked, norm_type)), device
 
 
+def _settle(states: list[DMuonState]) -> None:
+    """The owners' gradients as a norm must see them: every reduce arrived, a clip's factor
+    still owed applied (the norm is then of clipped gradients)."""
+    for state in states:
+        state.finalize_reduces()
+        state.apply_deferred_grad_scale()
+
+
 @torch.no_grad()
 def global_grad_norm(
     model: nn.Module, norm_type: float = 2.0, foreach: bool | None = None
@@ -159,9 +167,7 @@ def global_grad_norm(
     """The norm :func:`clip_grad_norm_` would clip by, nothing scaled: for a loop that logs
     it without clipping (every rank gets the same value; the same collectives as the clip)."""
     states = [s for s in (getattr(model, STATE_ATTR, None),) if s is not None]
-    for state in states:
-        state.finalize_reduces()
-        state.apply_deferred_grad_scale()
+    _settle(states)
     return _total_norm(_sort_grads(model.parameters()), states, float(norm_type), foreach)[0]
 
 
@@ -178,9 +184,7 @@ def clip_grads_(
 ) -> torch.Tensor:
     """:func:`clip_grad_norm_` over ``parameters``, whose dedicated ones belong to ``states``
     (each finalized first)."""
-    for state in states:
-        state.finalize_reduces()
-        state.apply_deferred_grad_scale()  # (a factor still owed: the norm is of clipped ones)
+    _settle(states)
     if len({state.mesh.world_size for state in states}) > 1:
         raise ValueError(
             "clip_grad_norm_: the model parts' dedicated matrices are on different meshes"

@@ -15,6 +15,7 @@ import functools
 import os
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -76,8 +77,6 @@ def _check_args(args) -> None:
                 "leave it unset (the model is already distributed by dedicate_params and "
                 "fully_shard)",
             )
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_world_size() > 1 and args.world_size == 1:
         raise _refusal(
             f"{dist.get_world_size()} processes, but TrainingArguments sees one",
