@@ -6,7 +6,6 @@ Transformers Llama, ``dedicate_params`` on q_proj … down_proj, manual ``fully_
 from __future__ import annotations
 
 import os
-import re
 import socket
 
 import pytest
@@ -18,30 +17,13 @@ pytest.importorskip("accelerate")
 import dmuon_titan as dmuon  # noqa: E402
 
 from ..helpers.harness import run_ranks  # noqa: E402
-from ..helpers.training import ns_in  # noqa: E402
+from ..helpers.hf import seed_muon, shard_like_the_seed, tiny_causal_lm, train_reference  # noqa: E402
 
-PROJECTIONS = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 STEPS, PER_RANK, SEQ, MAX_NORM = 4, 4, 16, 0.05
-LR, ADAMW_LR, DECAY = 0.02, 3e-3, 0.1
-
-
-def _config():
-    return transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
 
 
 def _model():
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(_config()).double()
+    return tiny_causal_lm(vocab=128, seq=SEQ)
 
 
 def _dataset():
@@ -63,26 +45,11 @@ def _distributed_env(rank: int, world_size: int, port: int) -> None:
 
 
 def _distributed_model(world_size: int):
-    """The seed's recipe: dedicate the projections, fully_shard each layer and the root, Muon."""
+    """The seed's recipe on 2 ranks' mesh, and its optimizer."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    model = _model()
-    mesh = init_device_mesh("cpu", (world_size,))
-    dmuon.dedicate_params(model, mesh, lambda n, p: bool(PROJECTIONS.search(n)))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = dmuon.Muon(
-        model,
-        lr=LR,
-        weight_decay=DECAY,
-        ns_dtype=torch.float64,
-        adamw_lr=ADAMW_LR,
-        adamw_betas=(0.9, 0.95),
-        adamw_weight_decay=DECAY,
-    )
-    return model, optimizer
+    model = shard_like_the_seed(_model(), init_device_mesh("cpu", (world_size,)))
+    return model, seed_muon(model)
 
 
 def _args(out: str, **changes):
@@ -172,28 +139,6 @@ def _resume(rank: int, world_size: int, port: int, out: str) -> dict:
     return finals
 
 
-def _reference(batches: list[torch.Tensor]) -> tuple[dict, list[float]]:
-    """One process, each step's global batch: torch.optim.Muon (NS in float64) on the
-    projections, AdamW on the rest, clipped by torch's clip_grad_norm_."""
-    from unittest import mock
-
-    model = _model()
-    muon_params = [p for n, p in model.named_parameters() if PROJECTIONS.search(n)]
-    rest = [p for n, p in model.named_parameters() if not PROJECTIONS.search(n)]
-    muon = torch.optim.Muon(muon_params, lr=LR, weight_decay=DECAY)
-    adamw = torch.optim.AdamW(rest, lr=ADAMW_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=DECAY)
-    norms = []
-    with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", ns_in(torch.float64)):
-        for ids in batches:
-            model(input_ids=ids, labels=ids).loss.backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-            muon.step()
-            adamw.step()
-            muon.zero_grad()
-            adamw.zero_grad()
-    return {k: v.detach() for k, v in model.state_dict().items()}, norms
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -213,7 +158,7 @@ def test_trainer_equals_torch_muon_and_adamw(tmp_path):
     batches = [
         torch.cat([r["inputs"][i] for r in runs for i in (2 * s, 2 * s + 1)]) for s in range(STEPS)
     ]
-    reference, norms = _reference(batches)
+    reference, norms = train_reference(_model(), batches, MAX_NORM)
     assert runs[0]["grad_norms"] == runs[1]["grad_norms"]
     assert min(norms) > MAX_NORM  # (the clip acts at every step)
     for got, want in zip(runs[0]["grad_norms"], norms, strict=True):

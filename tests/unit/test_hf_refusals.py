@@ -3,8 +3,6 @@ before the Trainer is built (one process: nothing here is collective)."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -13,21 +11,11 @@ pytest.importorskip("accelerate")
 
 import dmuon_titan as dmuon  # noqa: E402
 
-PROJECTIONS = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+from ..helpers.hf import shard_like_the_seed, tiny_causal_lm  # noqa: E402
 
 
 def _llama():
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=8,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    return tiny_causal_lm(vocab=64, seq=8, layers=1, hidden=16, heads=2, kv_heads=1)
 
 
 def _args(tmp_path, **changes):
@@ -37,15 +25,7 @@ def _args(tmp_path, **changes):
 
 
 def _dedicated(mesh, root=True):
-    from torch.distributed.fsdp import fully_shard
-
-    model = _llama()
-    dmuon.dedicate_params(model, mesh, lambda n, p: bool(PROJECTIONS.search(n)))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    if root:
-        fully_shard(model, mesh=mesh)
-    return model
+    return shard_like_the_seed(_llama(), mesh, root)
 
 
 def test_a_model_without_dedicated_matrices(tmp_path):
